@@ -1,0 +1,122 @@
+"""``sparse_attention()``: validation, dispatch to a backend, and the layout cache.
+
+>>> import torch, sparse_attn as sa
+>>> q = k = v = torch.randn(1, 2, 100, 16)
+>>> sa.sparse_attention(q, k, v, sa.Local(8), backend="reference").shape
+torch.Size([1, 2, 100, 16])
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends
+from .layout import BlockLayout
+from .pattern import Pattern
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern | BlockLayout,
+                     causal: bool = False, key_padding_mask: torch.Tensor | None = None,
+                     global_mask: torch.Tensor | None = None, scale: float | None = None,
+                     backend: str = "auto", return_lse: bool = False):
+    """Exact softmax attention over the (query, key) pairs that ``pattern`` allows.
+
+    Args:
+        q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention).
+        pattern: a Pattern, or a BlockLayout built once with ``pattern.layout(...)`` and reused.
+        causal: also require ``j <= i + (Nk - Nq)``.
+        key_padding_mask: (B, Nk) bool, True = padding (never attended).
+        global_mask: (B, N) bool, True = that token is global in that example (needs Nq == Nk).
+        scale: score scale, default ``1 / sqrt(D)``.
+        backend: "auto" (triton for CUDA tensors, numba for CPU), "reference", "numba" or "triton".
+        return_lse: also return the log-sum-exp of each query row, (B, Hq, Nq) float32 (float64
+            for float64 inputs); -inf for rows with no allowed key (whose output is 0).
+
+    Returns:
+        out (B, Hq, Nq, D) in the dtype of q, or ``(out, lse)`` with ``return_lse=True``.
+    """
+    batch, q_heads, n_q, head_dim = _check_qkv(q, k, v)
+    n_k = k.shape[2]
+    name = _choose_backend(backend, q)
+    module = backends.load(name)
+    if isinstance(pattern, BlockLayout):
+        if causal or key_padding_mask is not None or global_mask is not None:
+            raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
+                             "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
+                             "the Pattern instead")
+        layout = pattern
+        _check_layout(layout, batch, q_heads, n_q, n_k)
+    elif isinstance(pattern, Pattern):
+        for name_, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
+            _check_call_mask(name_, mask, batch, n)
+        layout = pattern.layout(n_q, n_k, heads=q_heads, block_size=module.BLOCK_SIZE, causal=causal,
+                                global_mask=global_mask, key_padding_mask=key_padding_mask)
+    else:
+        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    layout = layout.to(q.device)
+    module.check(q, k, v, layout)
+    out, lse = module.attention(q, k, v, layout, float(scale))
+    return (out, lse) if return_lse else out
+
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)}; "
+                             f"for (batch, seq_len, heads, head_dim) inputs use .transpose(1, 2)")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (batch, kv_heads, n_k, head_dim), "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, q_heads, n_q, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k must have batch {batch} and head_dim {head_dim} like q, got shape {tuple(k.shape)}")
+    if k.shape[1] == 0 or q_heads % k.shape[1] != 0:
+        raise ValueError(f"the number of k/v heads ({k.shape[1]}) must divide the number of q heads ({q_heads}) "
+                         f"for grouped-query attention")
+    if min(n_q, k.shape[2], head_dim, batch) == 0:
+        raise ValueError(f"q and k need batch, seq_len and head_dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return batch, q_heads, n_q, head_dim
+
+
+def _choose_backend(backend: str, q: torch.Tensor) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "triton" if q.device.type == "cuda" else "numba"
+
+
+def _check_call_mask(name: str, mask, batch: int, n: int) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a torch.bool tensor of shape ({batch}, {n}), got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool() "
+                        f"({'True = padding' if name == 'key_padding_mask' else 'True = global token'})")
+    if tuple(mask.shape) != (batch, n):
+        raise ValueError(f"{name} must have shape ({batch}, {n}), got {tuple(mask.shape)}")
+
+
+def _check_layout(layout: BlockLayout, batch: int, heads: int, n_q: int, n_k: int) -> None:
+    if (layout.n_q, layout.n_k) != (n_q, n_k):
+        raise ValueError(f"the BlockLayout was built for n_q={layout.n_q}, n_k={layout.n_k} but the inputs have "
+                         f"n_q={n_q}, n_k={n_k}; build it with pattern.layout({n_q}, {n_k}, heads={heads})")
+    if layout.heads != heads:
+        raise ValueError(f"the BlockLayout was built for heads={layout.heads} but q has {heads} heads")
+    if layout.batch not in (1, batch):
+        raise ValueError(f"the BlockLayout was built for a batch of {layout.batch} but q has batch {batch}")

@@ -1,0 +1,62 @@
+"""The reference backend: plain masked softmax in torch. The oracle every fast backend is tested
+against.
+
+It evaluates the layout's token mask for a few query blocks at a time, so a forward costs
+O(rows_per_chunk x block_size x n_k) memory instead of O(n_q x n_k); in training each chunk is
+checkpointed, so the backward recomputes it rather than keeping all probabilities alive. It runs on
+any device and dtype (half inputs are computed in float32) and is differentiable by autograd.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..layout import BlockLayout
+
+BLOCK_SIZE = 64
+_SCORES_PER_CHUNK = 1 << 24  # score-matrix elements materialised at once
+
+
+def check(q, k, v, layout: BlockLayout) -> None:
+    """Every device, dtype and block size works."""
+
+
+def attention(q, k, v, layout: BlockLayout, scale: float):
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq), float32 for half inputs."""
+    dtype = q.dtype
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    batch, heads, n_q, _ = q.shape
+    bs = layout.block_size
+    rows_per_chunk = max(1, _SCORES_PER_CHUNK // (batch * heads * bs * layout.n_k))
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses = [], []
+    for r0 in range(0, layout.n_q_blocks, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, layout.n_q_blocks)
+        q_chunk = q[:, :, r0 * bs:min(r1 * bs, n_q)]
+        if recompute:
+            out, lse = checkpoint(_attend_chunk, q_chunk, k, v, layout, r0, r1, scale, use_reentrant=False)
+        else:
+            out, lse = _attend_chunk(q_chunk, k, v, layout, r0, r1, scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2).to(dtype), torch.cat(lses, dim=2)
+
+
+def _attend_chunk(q, k, v, layout: BlockLayout, r0: int, r1: int, scale: float):
+    """Exact softmax attention of query blocks r0..r1-1 over their allowed keys."""
+    kv_heads = k.shape[1]
+    q = q.unflatten(1, (kv_heads, -1))                                  # (B, Hkv, G, rows, D)
+    mask = layout.row_mask(r0, r1)                                      # (Bl, Hl, rows, Nk)
+    mask = mask[:, :, None] if layout.shared_heads else mask.unflatten(1, (kv_heads, -1))
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale            # (B, Hkv, G, rows, Nk)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    shift = scores.amax(-1, keepdim=True).detach()                      # softmax is shift-invariant
+    shift = torch.where(torch.isinf(shift), 0.0, shift)                 # empty rows: any finite shift
+    weights = torch.exp(scores - shift)                                 # masked pairs -> exactly 0
+    total = weights.sum(-1, keepdim=True)
+    empty = total == 0
+    total = torch.where(empty, 1.0, total)                              # empty rows: 0 output, 0 grads
+    lse = torch.where(empty, float("-inf"), shift + torch.log(total))   # (B, Hkv, G, rows, 1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights / total, v)         # (B, Hkv, G, rows, D)
+    return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)

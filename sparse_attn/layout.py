@@ -1,0 +1,408 @@
+"""BlockLayout: a pattern compiled for (n_q, n_k, heads, block_size), the form kernels run.
+
+>>> import sparse_attn as sa
+>>> lay = (sa.Local(64) | sa.Global(first=1)).layout(512, heads=4, block_size=64)
+>>> lay.nnz_blocks, round(lay.density, 3)
+(96, 0.257)
+
+The sequence is cut into blocks of ``block_size`` tokens (the last block may be shorter). Each
+computed block (query block r, key block c) is either
+
+- **full**: every pair in it is allowed, the kernel runs it without any mask, or
+- **partial**: the kernel applies ``masks[m]``, a (block_size, block_size) bool tile that is exact
+  at token level and False outside the sequence. Blocks with the same tile share one entry, so
+  ``masks`` stays small (a Longformer layout at 1M tokens has a handful).
+
+Blocks that are neither are never touched. Indices are CSR per (example, head, query block), and
+transposed per (example, head, key block) for the dK/dV pass of the backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from .pattern import (Causal, Intersection, Pattern, Union, _check_int, _check_lengths, _check_pattern, _Ctx,
+                      _KeyPadding, _n_blocks, _TokenGlobal, block_table)
+
+_GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
+
+
+class BlockLayout:
+    """Kernel-ready block-sparse form of a pattern. Build with ``pattern.layout(...)``.
+
+    Tensors (int32 unless noted), with ``Bl`` = 1 when all examples share the layout (else the
+    batch size) and ``Hl`` = 1 when all heads share it (else ``heads``):
+
+    ============== ====================== =================================================
+    full_ptr       (Bl, Hl, n_q_blocks+1) row r's full key blocks are
+                                          ``full_idx[full_ptr[b, h, r]:full_ptr[b, h, r+1]]``
+    full_idx       (n_full,)              key-block indices, sorted within a row
+    part_ptr       (Bl, Hl, n_q_blocks+1) the same for partial blocks ...
+    part_idx       (n_part,)
+    part_mask      (n_part,)              ... and the index of each one's tile in ``masks``
+    masks          (n_masks, bs, bs) bool token mask of a partial block
+    full_t_ptr     (Bl, Hl, n_k_blocks+1) transposed: key block c's full query blocks
+    full_t_idx     (n_full,)
+    part_t_ptr     (Bl, Hl, n_k_blocks+1) transposed partial blocks
+    part_t_idx     (n_part,)
+    part_t_mask    (n_part,)
+    ============== ====================== =================================================
+    """
+
+    _TENSORS = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
+                "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
+
+    def __init__(self, *, pattern, n_q, n_k, heads, block_size, causal, **tensors):
+        self.pattern, self.n_q, self.n_k, self.heads = pattern, n_q, n_k, heads
+        self.block_size, self.causal = block_size, causal
+        for name in self._TENSORS:
+            setattr(self, name, tensors[name])
+        self._on_device: dict[torch.device, BlockLayout] = {}
+
+    # --- shape ---------------------------------------------------------------------------------
+    @property
+    def n_q_blocks(self) -> int:
+        return _n_blocks(self.n_q, self.block_size)
+
+    @property
+    def n_k_blocks(self) -> int:
+        return _n_blocks(self.n_k, self.block_size)
+
+    @property
+    def batch(self) -> int:
+        """1 when every example shares the layout, else the batch size it was built for."""
+        return self.full_ptr.shape[0]
+
+    @property
+    def shared_heads(self) -> bool:
+        return self.full_ptr.shape[1] == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.full_idx.device
+
+    def to(self, device) -> BlockLayout:
+        """This layout with its tensors on ``device`` (cached, so it moves once)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        if device not in self._on_device:
+            moved = {name: getattr(self, name).to(device) for name in self._TENSORS}
+            self._on_device[device] = BlockLayout(pattern=self.pattern, n_q=self.n_q, n_k=self.n_k, heads=self.heads,
+                                                  block_size=self.block_size, causal=self.causal, **moved)
+        return self._on_device[device]
+
+    # --- counts --------------------------------------------------------------------------------
+    def _per_head_factor(self) -> int:
+        return self.heads if self.shared_heads else 1
+
+    def _block_areas(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return (np.minimum((rows + 1) * bs, self.n_q) - rows * bs) * (np.minimum((cols + 1) * bs, self.n_k) - cols * bs)
+
+    def _rows_of(self, ptr: torch.Tensor) -> np.ndarray:
+        """Query-block index of every entry of a CSR index with row pointers ``ptr``."""
+        counts = np.diff(ptr.cpu().numpy().reshape(-1, ptr.shape[-1]), axis=1).reshape(-1)
+        return np.repeat(np.tile(np.arange(ptr.shape[-1] - 1), ptr.shape[0] * ptr.shape[1]), counts)
+
+    @property
+    def nnz_blocks(self) -> int:
+        """Computed (head, query block, key block) triples, summed over heads and stored examples."""
+        return (self.full_idx.numel() + self.part_idx.numel()) * self._per_head_factor()
+
+    def computed_pairs(self) -> int:
+        """Token pairs inside computed blocks (what a kernel multiplies), over heads and examples."""
+        full = self._block_areas(self._rows_of(self.full_ptr), self.full_idx.cpu().numpy()).sum()
+        part = self._block_areas(self._rows_of(self.part_ptr), self.part_idx.cpu().numpy()).sum()
+        return int(full + part) * self._per_head_factor()
+
+    def allowed_pairs(self) -> int:
+        """Token pairs the pattern allows, over heads and stored examples (exact)."""
+        full = self._block_areas(self._rows_of(self.full_ptr), self.full_idx.cpu().numpy()).sum()
+        per_tile = self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
+        return int(full + per_tile[self.part_mask.cpu().numpy()].sum()) * self._per_head_factor()
+
+    @property
+    def density(self) -> float:
+        """Fraction of the n_q x n_k token pairs that are allowed (averaged over heads, examples)."""
+        return self.allowed_pairs() / (self.n_q * self.n_k * self.heads * self.batch)
+
+    @property
+    def block_density(self) -> float:
+        """Fraction of all blocks that are computed."""
+        return self.nnz_blocks / (self.n_q_blocks * self.n_k_blocks * self.heads * self.batch)
+
+    def flops(self, head_dim: int) -> int:
+        """Forward FLOPs on computed blocks: 2 matmuls (QK^T, PV) of 2*head_dim per pair.
+
+        Backward is conventionally 2.5x this (5 matmuls with recomputation).
+        """
+        _check_int("head_dim", head_dim, 1)
+        return 4 * head_dim * self.computed_pairs()
+
+    # --- dense views (small N) -----------------------------------------------------------------
+    def row_mask(self, r0: int, r1: int) -> torch.Tensor:
+        """Token mask of query blocks r0..r1-1: bool (Bl, Hl, rows, n_k), rows clipped to n_q."""
+        bs, n_kb = self.block_size, self.n_k_blocks
+        bl, hl = self.full_ptr.shape[:2]
+        out = torch.zeros(bl * hl, r1 - r0, bs, n_kb, bs, dtype=torch.bool, device=self.device)
+        for g, (full_ptr, part_ptr) in enumerate(zip(self.full_ptr.reshape(bl * hl, -1),
+                                                     self.part_ptr.reshape(bl * hl, -1))):
+            for ptr, idx, tiles in ((full_ptr, self.full_idx, None), (part_ptr, self.part_idx, self.part_mask)):
+                lo, hi = int(ptr[r0]), int(ptr[r1])
+                rows = torch.searchsorted(ptr[r0:r1 + 1], torch.arange(lo, hi, device=self.device), right=True) - 1
+                cols = idx[lo:hi].long()
+                if tiles is None:
+                    out[g, rows, :, cols, :] = True
+                else:
+                    out[g, rows, :, cols, :] = self.masks[tiles[lo:hi].long()]
+        rows_valid = min(r1 * bs, self.n_q) - r0 * bs
+        return out.reshape(bl, hl, (r1 - r0) * bs, n_kb * bs)[:, :, :rows_valid, :self.n_k]
+
+    def to_dense(self) -> torch.Tensor:
+        """Token mask, bool (batch, heads, n_q, n_k): what the kernels compute. Small N only."""
+        mask = self.row_mask(0, self.n_q_blocks)
+        return mask.expand(self.batch, self.heads, self.n_q, self.n_k) if self.shared_heads else mask
+
+    def to_scipy(self, batch: int = 0, head: int = 0, level: str = "block"):
+        """``scipy.sparse.csr_array`` for one (example, head).
+
+        ``level="block"``: (n_q_blocks, n_k_blocks), entry = allowed pairs in the block.
+        ``level="token"``: (n_q, n_k) booleans of the allowed pairs (as large as the pattern).
+        """
+        import scipy.sparse
+
+        if level not in ("block", "token"):
+            raise ValueError(f"level must be 'block' or 'token', got {level!r}")
+        b, h = self._check_example_head(batch, head)
+        if level == "token":
+            rows, cols = [], []
+            for r0 in range(0, self.n_q_blocks, 16):
+                mask = self.row_mask(r0, min(r0 + 16, self.n_q_blocks))[b, h]
+                nz = mask.nonzero().cpu().numpy()
+                rows.append(nz[:, 0] + r0 * self.block_size)
+                cols.append(nz[:, 1])
+            rows, cols = np.concatenate(rows), np.concatenate(cols)
+            return scipy.sparse.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(self.n_q, self.n_k))
+        per_tile = self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
+        entries = []
+        for ptr, idx, tiles in ((self.full_ptr, self.full_idx, None), (self.part_ptr, self.part_idx, self.part_mask)):
+            p = ptr[b, h].cpu().numpy()
+            rows = np.repeat(np.arange(self.n_q_blocks), np.diff(p))
+            cols = idx[p[0]:p[-1]].cpu().numpy()
+            data = self._block_areas(rows, cols) if tiles is None else per_tile[tiles[p[0]:p[-1]].cpu().numpy()]
+            entries.append((rows, cols, data))
+        rows, cols, data = (np.concatenate(x) for x in zip(*entries))
+        return scipy.sparse.csr_array((data, (rows, cols)), shape=(self.n_q_blocks, self.n_k_blocks))
+
+    def to_block_mask(self):
+        """FlexAttention ``BlockMask`` of the same pattern, to run the peer on identical work.
+
+        Its ``mask_mod`` looks tiles up in a (Bl, Hl, n_q_blocks, n_k_blocks) table, which is
+        quadratic in the number of blocks: fine at benchmark sizes, not at 1M tokens.
+        """
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bl, hl = self.full_ptr.shape[:2]
+        n_qb, n_kb, bs = self.n_q_blocks, self.n_k_blocks, self.block_size
+        tile_of_block = torch.full((bl, hl, n_qb, n_kb), -1, dtype=torch.int64, device=self.device)
+        kv_num, kv_idx = [], []
+        for ptr, idx, tiles in ((self.part_ptr, self.part_idx, self.part_mask),
+                                (self.full_ptr, self.full_idx, None)):
+            counts = (ptr[..., 1:] - ptr[..., :-1]).to(torch.int32)  # (Bl, Hl, n_qb)
+            indices = torch.zeros(bl, hl, n_qb, max(1, int(counts.max())), dtype=torch.int32, device=self.device)
+            for b in range(bl):
+                for h in range(hl):
+                    p = ptr[b, h].long()
+                    rows = torch.repeat_interleave(torch.arange(n_qb, device=self.device), counts[b, h].long())
+                    slot = torch.arange(int(p[-1] - p[0]), device=self.device) - (p[rows] - p[0])
+                    indices[b, h, rows, slot] = idx[p[0]:p[-1]]
+                    if tiles is not None:
+                        tile_of_block[b, h, rows, idx[p[0]:p[-1]].long()] = tiles[p[0]:p[-1]].long()
+            kv_num.append(counts)
+            kv_idx.append(indices)
+        masks = self.masks
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            tile = tile_of_block[b % bl, h % hl, q_idx // bs, kv_idx // bs]
+            return masks[tile.clamp(min=0), q_idx % bs, kv_idx % bs] & (tile >= 0)
+
+        return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=bs,
+                                        mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
+
+    def _check_example_head(self, batch: int, head: int) -> tuple[int, int]:
+        if not 0 <= batch < self.batch:
+            raise ValueError(f"batch must be in [0, {self.batch}), got {batch}")
+        if not 0 <= head < self.heads:
+            raise ValueError(f"head must be in [0, {self.heads}), got {head}")
+        return batch, 0 if self.shared_heads else head
+
+    # --- text ----------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"BlockLayout(n_q={self.n_q}, n_k={self.n_k}, heads={self.heads}, block_size={self.block_size}, "
+                f"batch={self.batch}, nnz_blocks={self.nnz_blocks})")
+
+    def __str__(self) -> str:
+        full = self.full_idx.numel() * self._per_head_factor()
+        lines = [
+            f"BlockLayout of {self.pattern!r}" + (" & causal" if self.causal else ""),
+            f"  tokens {self.n_q} x {self.n_k}, heads {self.heads} ({'shared' if self.shared_heads else 'per head'}),"
+            f" examples {self.batch}, block {self.block_size}",
+            f"  blocks {self.n_q_blocks} x {self.n_k_blocks}: {self.nnz_blocks} computed"
+            f" ({self.block_density:.1%}), {full} full, {self.nnz_blocks - full} partial,"
+            f" {self.masks.shape[0]} distinct tiles",
+            f"  token density {self.density:.2%}",
+        ]
+        if max(self.n_q_blocks, self.n_k_blocks) <= _GRID_MAX_BLOCKS:
+            lines.append("  head 0 ('#' full, '+' partial, '.' skipped):")
+            grid = self.to_scipy(0, 0).toarray()
+            areas = self._block_areas(np.arange(self.n_q_blocks)[:, None], np.arange(self.n_k_blocks)[None, :])
+            for row, area in zip(grid, areas):
+                lines.append("  " + "".join("#" if a == s else "+" if a else "." for a, s in zip(row, area)))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Building
+# ------------------------------------------------------------------------------------------------
+def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_size: int, *,
+                 causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
+    """See :meth:`Pattern.layout`. Layouts without call-time masks are cached."""
+    _check_pattern("pattern", pattern)
+    n_q, n_k = _check_lengths(n_q, n_k)
+    _check_int("heads", heads, 1)
+    _check_int("block_size", block_size, 1)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    pattern._check_heads(heads)
+    if global_mask is None and key_padding_mask is None:
+        return _cached_layout(pattern, n_q, n_k, heads, block_size, causal)
+    batch = None
+    if global_mask is not None:
+        global_mask = _check_token_mask("global_mask", global_mask, None, n_q)
+        if n_q != n_k:
+            raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), "
+                             f"got n_q={n_q}, n_k={n_k}")
+        batch = global_mask.shape[0]
+    if key_padding_mask is not None:
+        key_padding_mask = _check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
+        batch = key_padding_mask.shape[0]
+    return _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask)
+
+
+def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().numpy()
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
+        raise TypeError(f"{name} must be a bool tensor of shape (batch, {n}), got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool()")
+    if mask.ndim != 2 or mask.shape[1] != n or (batch is not None and mask.shape[0] != batch):
+        expected = f"({'batch' if batch is None else batch}, {n})"
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
+    return mask
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(pattern, n_q, n_k, heads, block_size, causal) -> BlockLayout:
+    return _build(pattern, n_q, n_k, heads, block_size, causal, None, None, None)
+
+
+def _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask) -> BlockLayout:
+    n_heads = heads if pattern.head_dependent else 1
+    tables, tiles = [], []
+    for b in range(batch or 1):
+        for h in range(n_heads):
+            ctx = _Ctx(n_q, n_k, h)
+            rule = pattern._resolve(ctx)
+            if global_mask is not None:
+                positions = np.flatnonzero(global_mask[b]).astype(np.int64)
+                rule = Union(rule, _TokenGlobal(positions, positions))
+            if causal:
+                rule = Intersection(rule, Causal())
+            if key_padding_mask is not None:
+                rule = Intersection(rule, _KeyPadding(key_padding_mask[b]))
+            keys, full, tile, masks = _compile(rule, ctx, block_size)
+            tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
+            tiles.append(masks)
+    masks, remap = _unique_tiles(np.concatenate(tiles) if tiles else np.zeros((0, block_size, block_size), bool))
+    n_kb = _n_blocks(n_k, block_size)
+    shape = (batch or 1, n_heads)
+    group = np.concatenate([np.full(len(t[0]), g, dtype=np.int64) for g, t in enumerate(tables)])
+    keys, full, tile = (np.concatenate(column) for column in zip(*tables))
+    rows, cols = keys // n_kb, keys % n_kb
+    tensors = {}
+    for kind, sel in (("full", full), ("part", ~full)):
+        g, r, c = group[sel], rows[sel], cols[sel]
+        t = remap[tile[sel]] if kind == "part" else None
+        by_col = np.lexsort((r, c, g))
+        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, _n_blocks(n_q, block_size))
+        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
+        tensors[f"{kind}_t_ptr"] = _ptr(g[by_col], c[by_col], shape, n_kb)
+        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
+        if t is not None:
+            tensors["part_mask"] = torch.from_numpy(t.astype(np.int32))
+            tensors["part_t_mask"] = torch.from_numpy(t[by_col].astype(np.int32))
+    return BlockLayout(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=causal,
+                       masks=torch.from_numpy(masks), **tensors)
+
+
+def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int) -> torch.Tensor:
+    """CSR row pointers (shape..., n_rows + 1) for entries sorted by (group, row)."""
+    counts = np.bincount(group * n_rows + row, minlength=shape[0] * shape[1] * n_rows).reshape(-1, n_rows)
+    ptr = np.zeros((counts.shape[0], n_rows + 1), dtype=np.int64)
+    ptr[:, 1:] = np.cumsum(counts, axis=1)
+    ptr += np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]])[:, None]
+    return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))
+
+
+def _compile(rule: Pattern, ctx: _Ctx, bs: int):
+    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles.
+
+    Partial blocks are grouped by signature (plus whether they are cut by the sequence end); one
+    tile per group is evaluated at token level, then tiles that turn out all-allowed promote their
+    blocks to full and all-empty ones drop them.
+    """
+    keys, full, sig = block_table(rule, ctx, bs)
+    n_qb, n_kb = _n_blocks(ctx.n_q, bs), _n_blocks(ctx.n_k, bs)
+    rows, cols = keys // n_kb, keys % n_kb
+    part = np.flatnonzero(~full)
+    cut = ((rows[part] == n_qb - 1) & (ctx.n_q % bs != 0)) * 2 + ((cols[part] == n_kb - 1) & (ctx.n_k % bs != 0))
+    _, first, group = np.unique(np.column_stack([sig[part], cut]), axis=0, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    tiles = _tiles(rule, ctx, bs, rows[part][first] * bs, cols[part][first] * bs)
+    allowed = tiles.reshape(len(first), bs * bs).sum(1)
+    area = (np.minimum(rows[part][first] * bs + bs, ctx.n_q) - rows[part][first] * bs) * \
+           (np.minimum(cols[part][first] * bs + bs, ctx.n_k) - cols[part][first] * bs)
+    keep_tile = (allowed > 0) & (allowed < area)
+    new_id = np.cumsum(keep_tile) - 1
+    keep = np.ones(len(keys), dtype=bool)
+    keep[part] = allowed[group] > 0
+    full = full.copy()
+    full[part] = allowed[group] == area[group]
+    tile = np.full(len(keys), -1, dtype=np.int64)
+    tile[part] = np.where(keep_tile[group], new_id[group], -1)
+    return keys[keep], full[keep], tile[keep], tiles[keep_tile]
+
+
+def _tiles(rule, ctx, bs, i0, j0, chunk: int = 256) -> np.ndarray:
+    """Token masks (n, bs, bs) of blocks starting at (i0, j0), False outside the sequence."""
+    a = np.arange(bs, dtype=np.int64)
+    out = np.zeros((len(i0), bs, bs), dtype=bool)
+    for s in range(0, len(i0), chunk):
+        i = i0[s:s + chunk, None, None] + a[None, :, None]
+        j = j0[s:s + chunk, None, None] + a[None, None, :]
+        inside = (i < ctx.n_q) & (j < ctx.n_k)
+        out[s:s + chunk] = rule._allows(np.minimum(i, ctx.n_q - 1), np.minimum(j, ctx.n_k - 1), ctx) & inside
+    return out
+
+
+def _unique_tiles(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Deduplicate tiles across examples and heads: (unique tiles, old index -> new index)."""
+    if len(tiles) == 0:
+        return tiles, np.zeros(0, dtype=np.int64)
+    packed = np.packbits(tiles.reshape(len(tiles), tiles.shape[1] * tiles.shape[2]), axis=1)
+    _, first, inverse = np.unique(packed, axis=0, return_index=True, return_inverse=True)
+    return tiles[first], inverse.reshape(-1)
+
