@@ -8,6 +8,9 @@
 from .pattern import (Causal, Dense, Dilated, Global, Intersection, Local, Pattern, PerHead, Random, Sink, Stride,
                       Union)
 from .layout import BlockLayout
+from .api import sparse_attention
+from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
 
 __all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Union",
-           "Intersection", "PerHead", "BlockLayout"]
+           "Intersection", "PerHead", "BlockLayout", "sparse_attention", "longformer", "bigbird",
+           "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern"]

@@ -207,27 +207,30 @@ class BlockLayout:
 
         bl, hl = self.full_ptr.shape[:2]
         n_qb, n_kb, bs = self.n_q_blocks, self.n_k_blocks, self.block_size
-        tile_of_block = torch.full((bl, hl, n_qb, n_kb), -1, dtype=torch.int64, device=self.device)
+        # mask_mod may be evaluated anywhere (eagerly on every pair): tile n_masks is all-True for
+        # full blocks, tile n_masks + 1 all-False for absent ones
+        n_masks = self.masks.shape[0]
+        tiles_ext = torch.cat([self.masks, torch.ones(1, bs, bs, dtype=torch.bool, device=self.device),
+                               torch.zeros(1, bs, bs, dtype=torch.bool, device=self.device)])
+        tile_of_block = torch.full((bl, hl, n_qb, n_kb), n_masks + 1, dtype=torch.int64, device=self.device)
         kv_num, kv_idx = [], []
         for ptr, idx, tiles in ((self.part_ptr, self.part_idx, self.part_mask),
                                 (self.full_ptr, self.full_idx, None)):
             counts = (ptr[..., 1:] - ptr[..., :-1]).to(torch.int32)  # (Bl, Hl, n_qb)
-            indices = torch.zeros(bl, hl, n_qb, max(1, int(counts.max())), dtype=torch.int32, device=self.device)
+            indices = torch.zeros(bl, hl, n_qb, n_kb, dtype=torch.int32, device=self.device)  # flex infers n_kb
             for b in range(bl):
                 for h in range(hl):
                     p = ptr[b, h].long()
                     rows = torch.repeat_interleave(torch.arange(n_qb, device=self.device), counts[b, h].long())
                     slot = torch.arange(int(p[-1] - p[0]), device=self.device) - (p[rows] - p[0])
-                    indices[b, h, rows, slot] = idx[p[0]:p[-1]]
-                    if tiles is not None:
-                        tile_of_block[b, h, rows, idx[p[0]:p[-1]].long()] = tiles[p[0]:p[-1]].long()
+                    cols = idx[p[0]:p[-1]].long()
+                    indices[b, h, rows, slot] = cols.to(torch.int32)
+                    tile_of_block[b, h, rows, cols] = n_masks if tiles is None else tiles[p[0]:p[-1]].long()
             kv_num.append(counts)
             kv_idx.append(indices)
-        masks = self.masks
 
         def mask_mod(b, h, q_idx, kv_idx):
-            tile = tile_of_block[b % bl, h % hl, q_idx // bs, kv_idx // bs]
-            return masks[tile.clamp(min=0), q_idx % bs, kv_idx % bs] & (tile >= 0)
+            return tiles_ext[tile_of_block[b % bl, h % hl, q_idx // bs, kv_idx // bs], q_idx % bs, kv_idx % bs]
 
         return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=bs,
                                         mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))

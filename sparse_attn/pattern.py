@@ -162,7 +162,7 @@ class Pattern:
             value = getattr(self, f.name)
             if isinstance(value, tuple) and value and isinstance(value[0], Pattern):
                 d[f.name] = [p.to_dict() for p in value]
-            elif value != _default(f):
+            elif value != self._default(f):
                 d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
 
@@ -199,11 +199,15 @@ class Pattern:
             value = getattr(self, f.name)
             if f.default is dataclasses.MISSING and index == len(parts):
                 parts.append(repr(value))
-            elif value != _default(f):
+            elif value != self._default(f):
                 parts.append(f"{f.name}={value!r}")
         return f"{type(self).__name__}({', '.join(parts)})"
 
     # --- internals -----------------------------------------------------------------------------
+    def _default(self, f: dataclasses.Field):
+        """A field's default; ``after`` defaults to ``before`` (symmetric windows)."""
+        return self.before if f.name == "after" else _field_default(f)
+
     def _children(self) -> tuple[Pattern, ...]:
         return ()
 
@@ -226,7 +230,7 @@ class Pattern:
         return None
 
 
-def _default(f: dataclasses.Field):
+def _field_default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -280,14 +284,6 @@ class Local(Pattern):
         args = [repr(self.before)] + ([repr(self.after)] if self.after != self.before else [])
         args += [f"block_size={self.block_size}"] if self.block_size != 1 else []
         return f"Local({', '.join(args)})"
-
-    def to_dict(self) -> dict:
-        d = {"type": "local", "before": self.before}
-        if self.after != self.before:
-            d["after"] = self.after
-        if self.block_size != 1:
-            d["block_size"] = self.block_size
-        return d
 
     def _allows(self, i, j, ctx):
         u = self.block_size

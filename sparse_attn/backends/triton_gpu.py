@@ -1,0 +1,464 @@
+"""The Triton backend: fused block-sparse FlashAttention, forward and backward.
+
+>>> import torch, sparse_attn as sa
+>>> from sparse_attn.api import sparse_attention
+>>> q = k = v = torch.randn(1, 16, 8192, 64, device="cuda", dtype=torch.bfloat16)   # doctest: +SKIP
+>>> sparse_attention(q, k, v, sa.Local(256) | sa.Global(first=16), backend="triton")  # doctest: +SKIP
+
+The kernels follow Triton's fused-attention tutorial; what changes is *which* key blocks a query
+block visits. A ``BlockLayout`` lists them per (example, head, query block) as two CSR indices:
+**full** blocks (every pair allowed: no mask at all) and **partial** blocks (a (BLOCK, BLOCK) bool
+tile from ``layout.masks``, already False outside the sequence). Tiles are BLOCK x BLOCK with
+BLOCK = ``layout.block_size``; scores never leave on-chip memory, so memory is O(N), not O(N^2).
+
+Forward, one program per (query block, batch x head):
+    for each key block c of the row (full blocks, then partial ones):
+        s   = (q @ k_c^T) * scale * log2(e)            # scores in log2 units, fp32 accumulation
+        s   = where(tile, s, -inf)                     # partial blocks only
+        m'  = max(m, rowmax(s));  p = exp2(s - m')     # online softmax (exp2 is cheaper than exp)
+        l   = l * exp2(m - m') + rowsum(p)
+        acc = acc * exp2(m - m') + p @ v_c
+    out = acc / l;  lse = (m + log2(l)) * ln(2)        # natural-log lse, saved for the backward
+Rows with no allowed key keep m = -inf and l = 0: their output is 0 and their lse is -inf.
+
+Backward (recomputes P from q, k and lse instead of storing it; no atomics, so deterministic):
+1. preprocess, per query block: ``delta = rowsum(dO * O) - dlse`` and ``lse2 = lse * log2(e)``,
+   with +inf for empty rows so that their recomputed probabilities are exactly 0;
+2. dK/dV, one program per (key block, batch x kv head): walks the *transposed* index of every
+   query head that reads this kv head (GQA), accumulating
+   ``dV += P^T dO`` and ``dK += scale * dS^T Q`` with ``dS = P * (dO V^T - delta)``;
+3. dQ, one program per (query block, batch x head): walks the row index, ``dQ += scale * dS K``.
+
+CPU tensors run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first
+imported: slow, for tests only. The kernels are registered as ``torch.library`` custom ops with
+fake and autograd implementations, so ``torch.compile(fullgraph=True)`` traces them forward and
+backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import BlockLayout
+
+BLOCK_SIZE = 64
+MAX_HEAD_DIM = 128
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when kernels are defined
+# The layout tensors a kernel needs, in the order the custom ops take them.
+_INDEX = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
+          "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(base, rows, stride_n, stride_d, n, dims, HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr):
+    """A (len(rows), BLOCK_D) tile of a (n, HEAD_DIM) matrix, zero past the sequence and head_dim."""
+    ptrs = base + rows[:, None] * stride_n + dims[None, :] * stride_d
+    if EVEN_ROWS and HEAD_DIM == dims.shape[0]:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n) & (dims[None, :] < HEAD_DIM), other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_mask(masks, tile_id, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Tile ``masks[tile_id]`` as a (BLOCK, BLOCK) bool block, transposed (keys x queries) on request."""
+    offs = tl.arange(0, BLOCK)
+    base = masks + tile_id.to(tl.int64) * BLOCK * BLOCK
+    if TRANSPOSE:
+        bits = tl.load(base + offs[None, :] * BLOCK + offs[:, None])
+    else:
+        bits = tl.load(base + offs[:, None] * BLOCK + offs[None, :])
+    return bits != 0
+
+
+@triton.jit
+def _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd, n_k,
+               tile, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step of a query block over key block ``col``; ``tile`` masks if MASKED."""
+    keys = col * BLOCK + tl.arange(0, BLOCK)
+    k = _load_tile(k_base, keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        s = tl.where(tile, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))                                              # (BLOCK_M,)
+    if MASKED:  # a row with nothing allowed yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_tile(v_base, keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, Lse,
+                FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_on, stride_od,
+                stride_pb, stride_ph,
+                qk_scale, n_q, n_k, heads, groups,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    kvh = h // groups
+    queries = row * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    q = _load_tile(q_base, queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM, EVEN_Q)  # (BLOCK_M, BLOCK_D)
+
+    m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK,), tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    ptr = b * stride_pb + h * stride_ph + row
+    # Full blocks: no mask, except the sequence end when n_k is not a multiple of BLOCK.
+    in_keys = (tl.arange(0, BLOCK) < BLOCK)[None, :]
+    for i in range(tl.load(FullPtr + ptr), tl.load(FullPtr + ptr + 1)):
+        col = tl.load(FullIdx + i)
+        if not EVEN_K:
+            in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn,
+                                   stride_vd, n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K,
+                                   not EVEN_K, PRECISION)
+    # Partial blocks: the exact token tile.
+    for i in range(tl.load(PartPtr + ptr), tl.load(PartPtr + ptr + 1)):
+        col = tl.load(PartIdx + i)
+        tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn,
+                                   stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
+
+    empty = l_i == 0.0                                                    # rows with no allowed key
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]                        # (BLOCK_M, BLOCK_D)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / 1.4426950408889634)
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + queries[:, None] * stride_on \
+        + dims[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
+    tl.store(Lse + bh.to(tl.int64) * n_q + queries, lse, mask=queries < n_q)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Out, DOut, Lse, DLse, Delta, Lse2,
+                           stride_ob, stride_oh, stride_on, stride_od,
+                           stride_db, stride_dh, stride_dn, stride_dd,
+                           n_q, heads, HAS_DLSE: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse; lse2 = lse * log2(e), +inf for empty rows (so P = 0 there)."""
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    queries = row * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh, queries, stride_on, stride_od,
+                   n_q, dims, HEAD_DIM, False).to(tl.float32)                       # (BLOCK_M, BLOCK_D)
+    do = _load_tile(DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh, queries, stride_dn,
+                    stride_dd, n_q, dims, HEAD_DIM, False).to(tl.float32)
+    delta = tl.sum(o * do, 1)                                                        # (BLOCK_M,)
+    rows = bh.to(tl.int64) * n_q + queries
+    if HAS_DLSE:
+        delta -= tl.load(DLse + rows, mask=queries < n_q, other=0.0)
+    lse = tl.load(Lse + rows, mask=queries < n_q, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Delta + rows, delta, mask=queries < n_q)
+    tl.store(Lse2 + rows, lse2, mask=queries < n_q)
+
+
+@triton.jit
+def _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2, Delta, row, stride_qn, stride_qd, stride_dn, stride_dd,
+                  n_q, tile_t, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_Q: tl.constexpr,
+                  MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """dK/dV contributions of query block ``row`` to one key block (everything transposed: keys x queries)."""
+    queries = row * BLOCK + tl.arange(0, BLOCK)
+    q = _load_tile(q_base, queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM, EVEN_Q)      # (BLOCK_M, BLOCK_D)
+    do = _load_tile(do_base, queries, stride_dn, stride_dd, n_q, dims, HEAD_DIM, EVEN_Q)    # (BLOCK_M, BLOCK_D)
+    lse2 = tl.load(Lse2 + queries, mask=queries < n_q, other=float("inf"))                 # rows past n_q: P = 0
+    delta = tl.load(Delta + queries, mask=queries < n_q, other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale                    # (BLOCK_N, BLOCK_M)
+    p_t = tl.exp2(s_t - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(tile_t, p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                          # (BLOCK_N, BLOCK_D)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)                           # (BLOCK_N, BLOCK_D)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV,
+                   FullTPtr, FullTIdx, PartTPtr, PartTIdx, PartTMask, Masks,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_db, stride_dh, stride_dn, stride_dd,
+                   stride_pb, stride_ph,
+                   scale, qk_scale, n_q, n_k, heads, kv_heads, groups,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                   EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    col = tl.program_id(0)
+    bkv = tl.program_id(1)
+    b = bkv // kv_heads
+    kvh = bkv % kv_heads
+    keys = col * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh, keys, stride_kn, stride_kd,
+                   n_k, dims, HEAD_DIM, EVEN_K)                                             # (BLOCK_N, BLOCK_D)
+    v = _load_tile(V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh, keys, stride_vn, stride_vd,
+                   n_k, dims, HEAD_DIM, EVEN_K)
+    dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    no_mask = (tl.arange(0, BLOCK) < BLOCK)[:, None]
+    for g in range(groups):  # every query head that reads this kv head, in a fixed order
+        h = kvh * groups + g
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        stats = (b * heads + h).to(tl.int64) * n_q
+        ptr = b * stride_pb + h * stride_ph + col
+        for i in range(tl.load(FullTPtr + ptr), tl.load(FullTPtr + ptr + 1)):
+            dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(FullTIdx + i),
+                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, no_mask, qk_scale, dims,
+                                   HEAD_DIM, BLOCK, EVEN_Q, False, PRECISION)
+        for i in range(tl.load(PartTPtr + ptr), tl.load(PartTPtr + ptr + 1)):
+            tile_t = _load_mask(Masks, tl.load(PartTMask + i), BLOCK, True)                  # (BLOCK_N, BLOCK_M)
+            dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(PartTIdx + i),
+                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, tile_t, qk_scale, dims,
+                                   HEAD_DIM, BLOCK, EVEN_Q, True, PRECISION)
+    # dK/dV are contiguous (B, Hkv, Nk, D).
+    out = bkv.to(tl.int64) * n_k * HEAD_DIM + keys[:, None] * HEAD_DIM + dims[None, :]
+    inside = (keys[:, None] < n_k) & (dims[None, :] < HEAD_DIM)
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=inside)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd, n_k,
+                 tile, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+                 MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ contribution of key block ``col`` to one query block."""
+    keys = col * BLOCK + tl.arange(0, BLOCK)
+    k = _load_tile(k_base, keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM, EVEN_K)         # (BLOCK_N, BLOCK_D)
+    v = _load_tile(v_base, keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM, EVEN_K)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                        # (BLOCK_M, BLOCK_N)
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(tile, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                                 # (BLOCK_M, BLOCK_N)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)                       # (BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
+                  FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
+                  stride_qb, stride_qh, stride_qn, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  stride_db, stride_dh, stride_dn, stride_dd,
+                  stride_pb, stride_ph,
+                  scale, qk_scale, n_q, n_k, heads, groups,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    kvh = h // groups
+    queries = row * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, queries, stride_qn, stride_qd,
+                   n_q, dims, HEAD_DIM, EVEN_Q)                                              # (BLOCK_M, BLOCK_D)
+    do = _load_tile(DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh, queries, stride_dn,
+                    stride_dd, n_q, dims, HEAD_DIM, EVEN_Q)
+    stats = bh.to(tl.int64) * n_q + queries
+    lse2 = tl.load(Lse2 + stats, mask=queries < n_q, other=float("inf"))
+    delta = tl.load(Delta + stats, mask=queries < n_q, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    ptr = b * stride_pb + h * stride_ph + row
+    in_keys = (tl.arange(0, BLOCK) < BLOCK)[None, :]
+    for i in range(tl.load(FullPtr + ptr), tl.load(FullPtr + ptr + 1)):
+        col = tl.load(FullIdx + i)
+        if not EVEN_K:
+            in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
+        dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd,
+                          n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, not EVEN_K, PRECISION)
+    for i in range(tl.load(PartPtr + ptr), tl.load(PartPtr + ptr + 1)):
+        tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
+        dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, tl.load(PartIdx + i), stride_kn, stride_kd,
+                          stride_vn, stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
+    # dQ is contiguous (B, Hq, Nq, D).
+    out = bh.to(tl.int64) * n_q * HEAD_DIM + queries[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty),
+             mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _layout_strides(ptr: torch.Tensor) -> tuple[int, int]:
+    """Strides of a (Bl, Hl, n + 1) ptr tensor, 0 along a broadcast (size-1) dimension."""
+    return (ptr.stride(0) if ptr.shape[0] > 1 else 0), (ptr.stride(1) if ptr.shape[1] > 1 else 0)
+
+
+def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
+    """Compile-time constants shared by the kernels, and launch settings for a GPU."""
+    head_dim = q.shape[-1]
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK=block,
+                EVEN_Q=q.shape[2] % block == 0, EVEN_K=k.shape[2] % block == 0,
+                PRECISION="tf32" if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee",
+                num_warps=4 if head_dim <= 64 else 8)
+
+
+def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
+    full_ptr, full_idx, part_ptr, part_idx, part_mask, masks = index[:6]
+    batch, heads, n_q, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)                  # (B, Hq, Nq, D)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)   # (B, Hq, Nq)
+    grid = (triton.cdiv(n_q, block), batch * heads)
+    _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
+                      *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_layout_strides(full_ptr),
+                      scale * _LOG2E, n_q, k.shape[2], heads, heads // k.shape[1],
+                      num_stages=3, **_meta(q, k, block))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: int, scale: float):
+    full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, \
+        part_t_mask = index
+    batch, heads, n_q, head_dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    meta = _meta(q, k, block)
+    delta = torch.empty_like(lse)                                                # (B, Hq, Nq) fp32
+    lse2 = torch.empty_like(lse)
+    q_grid = (triton.cdiv(n_q, block), batch * heads)
+    _bwd_preprocess_kernel[q_grid](out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
+                                   *_strides(out), *_strides(dout), n_q, heads, dlse is not None,
+                                   HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)                   # (B, Hq, Nq, D)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)                   # (B, Hkv, Nk, D)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
+        q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
+        *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E, n_q, n_k, heads, kv_heads, heads // kv_heads,
+        num_stages=2, **meta)
+    _bwd_q_kernel[q_grid](
+        q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
+        *common, *_layout_strides(full_ptr), scale, scale * _LOG2E, n_q, n_k, heads, heads // kv_heads,
+        num_stages=2, **meta)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.library registration: custom ops with fake (shape) and autograd implementations
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("sparse_attn::triton_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], block: int,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _forward(q, k, v, index, block, scale)
+
+
+@_forward_op.register_fake
+def _(q, k, v, index, block, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("sparse_attn::triton_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dlse: torch.Tensor | None, index: list[torch.Tensor], block: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _backward(dout, q, k, v, out, lse, dlse, index, block, scale)
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, dlse, index, block, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, index, block, scale = inputs
+    ctx.save_for_backward(q, k, v, *output, *index)
+    ctx.block, ctx.scale = block, scale
+
+
+def _backward_autograd(ctx, dout, dlse):
+    q, k, v, out, lse, *index = ctx.saved_tensors
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, index, ctx.block, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend interface
+# ------------------------------------------------------------------------------------------------
+def available() -> tuple[bool, str]:
+    """(usable, reason): a CUDA GPU, or Triton's interpreter for CPU tensors."""
+    if torch.cuda.is_available():
+        return True, ""
+    if _INTERPRETED:
+        return True, "no CUDA GPU: CPU tensors run in Triton's interpreter (TRITON_INTERPRET=1), slowly"
+    return False, "no CUDA GPU; use backend='numba' or 'reference' on CPU"
+
+
+def check(q, k, v, layout: BlockLayout) -> None:
+    """Raise a ValueError/RuntimeError naming the argument and the fix when these inputs cannot run."""
+    if q.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' needs CUDA tensors, got q on cpu; move q, k, v to CUDA "
+                               "(.cuda()), use backend='numba' or 'reference' on CPU, or for testing set "
+                               "TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's "
+                               "interpreter")
+        if not _INTERPRETED:
+            raise RuntimeError("TRITON_INTERPRET=1 was set after sparse_attn's Triton kernels were defined, so they "
+                               "cannot run on CPU; set it before the first `import triton` (e.g. in the shell)")
+    elif q.device.type != "cuda":
+        raise RuntimeError(f"backend='triton' runs CUDA tensors, got q on {q.device}; use backend='reference'")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"backend='triton' supports float16, bfloat16 and float32 inputs, got q of dtype {q.dtype}; "
+                         f"cast with .float() or use backend='reference' for float64")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"backend='triton' supports head_dim up to {MAX_HEAD_DIM}, got head_dim={q.shape[-1]}; "
+                         f"use backend='reference'")
+    bs = layout.block_size
+    if bs < 16 or bs > 128 or bs & (bs - 1):
+        raise ValueError(f"backend='triton' needs a layout block_size that is a power of two in 16..128 (its "
+                         f"tile size for tl.dot), got block_size={bs}; build the layout with "
+                         f"pattern.layout(..., block_size={BLOCK_SIZE})")
+    if layout.device != q.device:
+        raise ValueError(f"the layout is on {layout.device} but q is on {q.device}; use layout.to(q.device)")
+
+
+def attention(q, k, v, layout: BlockLayout, scale: float):
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
+    index = [getattr(layout, name) for name in _INDEX]
+    index[_INDEX.index("masks")] = layout.masks.view(torch.uint8)  # (n_masks, bs, bs): bytes load everywhere
+    return _forward_op(q, k, v, index, layout.block_size, scale)

@@ -1,0 +1,151 @@
+"""``torch.nn`` layers built on :func:`~sparse_attn.api.sparse_attention`.
+
+>>> import torch, sparse_attn as sa
+>>> from sparse_attn.nn import SparseSelfAttention
+>>> attn = SparseSelfAttention(64, 4, sa.Local(16) | sa.Global(first=1), backend="reference")
+>>> x = torch.randn(2, 100, 64)                                   # (B, N, E)
+>>> padding = torch.arange(100) >= torch.tensor([[100], [70]])    # (B, N), True = padding
+>>> attn(x, key_padding_mask=padding).shape
+torch.Size([2, 100, 64])
+
+Longformer-style global attention, with separate projections for the global tokens:
+
+>>> attn = SparseSelfAttention(64, 4, sa.Local(16), global_projections=True, backend="reference")
+>>> is_global = torch.zeros(2, 100, dtype=torch.bool)
+>>> is_global[0, 0] = is_global[1, :3] = True                    # 1 and 3 global tokens
+>>> attn(x, key_padding_mask=padding, global_mask=is_global).shape
+torch.Size([2, 100, 64])
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .api import sparse_attention
+from .pattern import Dense, Pattern
+
+
+class SparseSelfAttention(nn.Module):
+    """Multi-head self-attention over the pairs that ``pattern`` allows, with q/k/v/out projections.
+
+    Args:
+        embed_dim: model width E; ``num_heads`` must divide it (head_dim = E // num_heads).
+        num_heads: query heads.
+        pattern: a sparse_attn Pattern, e.g. ``sa.Local(256) | sa.Global(first=1)``.
+        num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``); must
+            divide ``num_heads``.
+        bias: bias in the projections.
+        dropout: dropout on the attention output before ``out_proj`` (the sparse kernels do not drop
+            individual attention probabilities as ``nn.MultiheadAttention`` does).
+        batch_first: inputs and outputs are (B, N, E) when True, (N, B, E) when False.
+        backend: passed to ``sparse_attention``: "auto", "reference", "numba" or "triton".
+        global_projections: Longformer's global attention. Tokens marked in the call-time
+            ``global_mask`` attend every (non-padding) key through their own projections
+            ``q_global_proj``, ``k_global_proj``, ``v_global_proj``; every token attends them with the
+            ordinary projections. Global tokens of the *pattern* (``sa.Global``) use the ordinary
+            projections.
+
+    ``forward(x, key_padding_mask=None, global_mask=None, causal=False)``: ``key_padding_mask``
+    (B, N) bool, True = padding: never attended, and the attention output at padded positions is 0
+    (so the layer returns ``out_proj.bias`` there, as Longformer does); ``global_mask`` (B, N) bool,
+    True = global token in that example; ``causal=True`` keeps keys ``j <= i``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, pattern: Pattern, *, num_kv_heads: int | None = None,
+                 bias: bool = True, dropout: float = 0.0, batch_first: bool = True, backend: str = "auto",
+                 global_projections: bool = False):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_sizes(embed_dim, num_heads, num_kv_heads)
+        if not isinstance(pattern, Pattern):
+            raise TypeError(f"pattern must be a sparse_attn Pattern such as sa.Local(256) | sa.Global(first=1), "
+                            f"got {type(pattern).__name__}: {pattern!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str ('auto', 'reference', 'numba' or 'triton'), got {backend!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.pattern, self.dropout, self.batch_first, self.backend = pattern, float(dropout), batch_first, backend
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.global_projections = global_projections
+        if global_projections:
+            self.q_global_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+            self.k_global_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+            self.v_global_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, pattern={self.pattern!r}, "
+                f"global_projections={self.global_projections}, backend={self.backend!r}")
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                global_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """(B, N, E) -> (B, N, E), or (N, B, E) -> (N, B, E) with ``batch_first=False``."""
+        self._check_input(x)
+        if causal and self.global_projections and global_mask is not None:
+            raise ValueError("global_projections=True gives global tokens attention over the whole sequence, "
+                             "which causal=True forbids; pass causal=False, or build the layer with "
+                             "global_projections=False to let global_mask follow the causal rule")
+        if not self.batch_first:
+            x = x.transpose(0, 1)                                                  # (B, N, E)
+        q = self._split_heads(self.q_proj(x), self.num_heads)                      # (B, H, N, D)
+        k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
+        v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
+        out = sparse_attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
+                               global_mask=global_mask, backend=self.backend)     # (B, H, N, D)
+        if self.global_projections and global_mask is not None:
+            out = self._global_rows(x, out, key_padding_mask, global_mask)
+        if key_padding_mask is not None:
+            out = out.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        out = nn.functional.dropout(out, self.dropout, self.training)
+        out = self.out_proj(out.transpose(1, 2).flatten(2))                        # (B, N, E)
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _global_rows(self, x, out, key_padding_mask, global_mask):
+        """Replace the rows of global tokens by attention through the global projections."""
+        count = int(global_mask.sum(1).max())
+        if count == 0:
+            return out
+        batch, heads, _, head_dim = out.shape
+        # Each example's global positions first (in order), padded with non-global positions.
+        index = torch.sort(global_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :count]
+        x_global = x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))      # (B, G, E)
+        q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
+        k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
+        v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
+        rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
+                                backend=self.backend)                             # (B, H, G, D)
+        index = index[:, None, :, None].expand(batch, heads, count, head_dim)
+        rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
+        return torch.where(global_mask[:, None, :, None], rows, out)
+
+    def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)             # (B, heads, N, D)
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            layout = "(batch, seq_len, embed_dim)" if self.batch_first else "(seq_len, batch, embed_dim)"
+            raise ValueError(f"x must have shape {layout} with embed_dim={self.embed_dim}, got {tuple(x.shape)}")
+
+
+def _check_sizes(embed_dim, num_heads, num_kv_heads) -> None:
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if embed_dim % num_heads:
+        raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim} (head_dim = embed_dim // "
+                         f"num_heads); choose e.g. num_heads={_divisor_near(embed_dim, num_heads)}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} for grouped-query "
+                         f"attention; choose e.g. num_kv_heads={_divisor_near(num_heads, num_kv_heads)}")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - k), d))

@@ -1,0 +1,199 @@
+"""BlockLayout agrees with the token mask exactly, at every size and block size, and scales."""
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparse_attn as sa
+
+# --- random compositions ------------------------------------------------------------------------
+leaves = st.one_of(
+    st.builds(sa.Local, st.integers(0, 20), st.integers(0, 20), st.sampled_from([1, 1, 3, 8])),
+    st.builds(sa.Stride, st.integers(1, 9), st.integers(-3, 3)),
+    st.builds(sa.Dilated, st.integers(0, 6), st.integers(1, 4)),
+    st.builds(sa.Global, st.lists(st.integers(0, 60), max_size=4), st.integers(0, 5), st.integers(0, 5)),
+    st.builds(sa.Sink, st.lists(st.integers(0, 60), max_size=3), st.integers(0, 4), st.sampled_from([0, 5, 8])),
+    st.builds(sa.Random, st.integers(0, 3), st.integers(0, 9), st.sampled_from([4, 7, 16])),
+    st.just(sa.Causal()),
+    st.just(sa.Dense()),
+)
+patterns = st.recursive(leaves, lambda inner: st.one_of(
+    st.builds(lambda a, b: a | b, inner, inner),
+    st.builds(lambda a, b: a & b, inner, inner),
+), max_leaves=5)
+
+
+def check_layout_matches_mask(pattern, n_q, n_k, heads, block_size, **masks):
+    layout = pattern.layout(n_q, n_k, heads=heads, block_size=block_size, **masks)
+    dense = layout.to_dense()                                          # (Bl, H, n_q, n_k)
+    expected = expected_mask(pattern, n_q, n_k, heads, **masks)
+    assert torch.equal(dense, expected.expand_as(dense))
+    check_blocks_exact(layout, expected.expand(layout.batch, heads, n_q, n_k))
+    return layout
+
+
+def expected_mask(pattern, n_q, n_k, heads, causal=False, global_mask=None, key_padding_mask=None):
+    """The call-time masks combined by their definitions: (p | globals) & causal & ~padding."""
+    mask = pattern.mask(n_q, n_k, heads)[None]                         # (1, H, n_q, n_k)
+    if global_mask is not None:
+        mask = mask | global_mask[:, None, :, None] | global_mask[:, None, None, :]
+    if causal:
+        mask = mask & sa.Causal().mask(n_q, n_k)
+    if key_padding_mask is not None:
+        mask = mask & ~key_padding_mask[:, None, None, :]
+    return mask
+
+
+def check_blocks_exact(layout, expected):
+    """Full blocks all allowed, partial blocks neither empty nor full, absent blocks empty; the
+    transposed index lists the same blocks and tiles."""
+    bs, n_qb, n_kb = layout.block_size, layout.n_q_blocks, layout.n_k_blocks
+    padded = torch.zeros(*expected.shape[:2], n_qb * bs, n_kb * bs, dtype=torch.bool)
+    padded[..., :layout.n_q, :layout.n_k] = expected
+    tiles = padded.reshape(*expected.shape[:2], n_qb, bs, n_kb, bs).transpose(3, 4)  # (B, H, r, c, bs, bs)
+    valid = torch.zeros_like(padded)
+    valid[..., :layout.n_q, :layout.n_k] = True
+    valid = valid.reshape(*expected.shape[:2], n_qb, bs, n_kb, bs).transpose(3, 4)
+    allowed, area = tiles.sum((-1, -2)), valid.sum((-1, -2))
+    for b in range(layout.batch):
+        for h in range(layout.heads):
+            hl = 0 if layout.shared_heads else h
+            kind = torch.zeros(n_qb, n_kb, dtype=torch.int64)          # 0 absent, 1 full, 2 partial
+            by_row, by_col = set(), set()
+            for label, ptr, idx, tile_ids, t_ptr, t_idx, t_tiles in (
+                    (1, layout.full_ptr, layout.full_idx, None, layout.full_t_ptr, layout.full_t_idx, None),
+                    (2, layout.part_ptr, layout.part_idx, layout.part_mask,
+                     layout.part_t_ptr, layout.part_t_idx, layout.part_t_mask)):
+                for r in range(n_qb):
+                    row = idx[int(ptr[b, hl, r]):int(ptr[b, hl, r + 1])]
+                    assert (row[1:] > row[:-1]).all(), "key blocks of a row must be sorted"
+                    for e in range(int(ptr[b, hl, r]), int(ptr[b, hl, r + 1])):
+                        c = int(idx[e])
+                        assert kind[r, c] == 0, "a block listed twice"
+                        kind[r, c] = label
+                        tile = -1 if tile_ids is None else int(tile_ids[e])
+                        by_row.add((r, c, tile))
+                        if tile >= 0:
+                            assert torch.equal(layout.masks[tile], tiles[b, h, r, c]), "partial tile not exact"
+                for c in range(n_kb):
+                    for e in range(int(t_ptr[b, hl, c]), int(t_ptr[b, hl, c + 1])):
+                        by_col.add((int(t_idx[e]), c, -1 if t_tiles is None else int(t_tiles[e])))
+            assert by_row == by_col, "transposed index disagrees with the row index"
+            a, s = allowed[b, h], area[b, h]
+            assert torch.equal(kind == 1, (a == s) & (kind != 0)), "full blocks are exactly the all-allowed ones"
+            assert (a[kind == 0] == 0).all(), "an absent block has allowed pairs"
+            assert ((a[kind == 2] > 0) & (a[kind == 2] < s[kind == 2])).all(), "partial block is empty or full"
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=patterns, n_q=st.integers(1, 70), n_k=st.integers(1, 70), heads=st.integers(1, 2),
+       block_size=st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
+def test_layout_agrees_with_mask(pattern, n_q, n_k, heads, block_size):
+    check_layout_matches_mask(pattern, n_q, n_k, heads, block_size)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=patterns, n=st.integers(1, 50), batch=st.integers(1, 3), block_size=st.sampled_from([4, 8, 16]),
+       causal=st.booleans(), seed=st.integers(0, 2**16))
+def test_per_example_layout_agrees_with_mask(pattern, n, batch, block_size, causal, seed):
+    gen = torch.Generator().manual_seed(seed)
+    global_mask = torch.rand(batch, n, generator=gen) < 0.1
+    key_padding_mask = torch.arange(n)[None, :] >= torch.randint(1, n + 1, (batch, 1), generator=gen)
+    check_layout_matches_mask(pattern, n, n, 2, block_size, causal=causal, global_mask=global_mask,
+                              key_padding_mask=key_padding_mask)
+
+
+@pytest.mark.parametrize("n_q, n_k", [(1, 1), (1, 100), (100, 1), (65, 63), (128, 128)])
+def test_awkward_sizes(n_q, n_k):
+    check_layout_matches_mask(sa.Local(5) | sa.Global(first=2) | sa.Random(1, block_size=16), n_q, n_k, 3, 16)
+    check_layout_matches_mask(sa.Causal(), n_q, n_k, 1, 16)
+
+
+def test_per_head_layout_stores_every_head_and_shared_stores_one():
+    shared = (sa.Local(4) | sa.Global(first=1)).layout(64, heads=8, block_size=16)
+    assert shared.shared_heads and shared.full_ptr.shape == (1, 1, 5)
+    per_head = sa.PerHead([sa.Local(h) for h in range(4)]).layout(64, heads=4, block_size=16)
+    assert not per_head.shared_heads and per_head.full_ptr.shape == (1, 4, 5)
+    assert sa.Random(1, block_size=16).layout(64, heads=3, block_size=16).full_ptr.shape == (1, 3, 5)
+
+
+def test_counts_density_and_flops():
+    layout = sa.Local(1, block_size=16).layout(64, heads=2, block_size=16)     # 4 rows: 2, 3, 3, 2 blocks
+    assert layout.nnz_blocks == 2 * 10
+    assert layout.computed_pairs() == layout.allowed_pairs() == 2 * 10 * 256
+    assert layout.density == pytest.approx(10 / 16)
+    assert layout.block_density == pytest.approx(10 / 16)
+    assert layout.flops(64) == 4 * 64 * 2 * 10 * 256
+    partial = sa.Local(0).layout(10, block_size=4)                             # diagonal, last block 2 x 2
+    assert partial.allowed_pairs() == 10 and partial.computed_pairs() == 16 + 16 + 4
+    assert partial.density == pytest.approx(10 / 100)
+
+
+def test_to_scipy_block_and_token_level():
+    layout = (sa.Local(2) | sa.Global(first=1)).layout(20, block_size=8)
+    blocks = layout.to_scipy(level="block")
+    assert blocks.shape == (3, 3) and blocks.sum() == layout.allowed_pairs()
+    tokens = layout.to_scipy(level="token")
+    assert np.array_equal(tokens.toarray(), layout.to_dense()[0, 0].numpy())
+    with pytest.raises(ValueError, match="level must be 'block' or 'token'"):
+        layout.to_scipy(level="pair")
+    with pytest.raises(ValueError, match=r"head must be in \[0, 1\), got 3"):
+        layout.to_scipy(head=3)
+
+
+def test_str_shows_counts_and_grid():
+    text = str((sa.Local(16) | sa.Global(first=1)).layout(128, heads=2, block_size=32))
+    assert "blocks 4 x 4" in text and "token density" in text
+    grid = text.splitlines()[-4:]
+    assert grid[0].strip() == "++++" and grid[3].strip().startswith("+.")
+
+
+def test_layouts_are_cached():
+    p = sa.Local(8) | sa.Global(first=1)
+    assert p.layout(256, heads=4, block_size=32) is (sa.Local(8) | sa.Global(first=1)).layout(256, heads=4, block_size=32)
+
+
+def test_to_block_mask_matches_layout():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    pattern = sa.Local(20) | sa.Global(first=3) | sa.Random(1, block_size=16)
+    layout = pattern.layout(100, heads=2, block_size=16)
+    block_mask = layout.to_block_mask()
+    q, k, v = (torch.randn(1, 2, 100, 16) for _ in range(3))
+    ours = sa.sparse_attention(q, k, v, layout, backend="reference")
+    theirs = flex.flex_attention(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_validation():
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        sa.Local(1).layout(16, block_size=0)
+    with pytest.raises(ValueError, match=r"global_mask must have shape \(batch, 16\), got \(2, 15\)"):
+        sa.Local(1).layout(16, global_mask=torch.zeros(2, 15, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        sa.Local(1).layout(16, key_padding_mask=torch.zeros(2, 16))
+    with pytest.raises(ValueError, match="global_mask needs n_q == n_k"):
+        sa.Local(1).layout(16, 8, global_mask=torch.zeros(2, 16, dtype=torch.bool))
+
+
+# --- scale: analytic, no N x N and no n_blocks x n_blocks anywhere ---------------------------------
+@pytest.mark.parametrize("pattern, n, heads, per_row", [
+    (sa.Local(256) | sa.Global(first=16), 1 << 20, 12, 10),
+    (sa.bigbird(), 1 << 17, 12, 8),
+])
+def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, per_row):
+    tracemalloc.start()
+    start = time.perf_counter()
+    layout = pattern.layout(n, heads=heads, block_size=64)
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    rows = n // 64
+    stored_heads = 1 if layout.shared_heads else heads
+    assert layout.full_idx.numel() + layout.part_idx.numel() <= stored_heads * rows * (per_row + 2) + rows * 8
+    assert layout.masks.shape[0] <= 64
+    assert peak < 400e6, f"layout build peaked at {peak / 1e6:.0f} MB"
+    assert elapsed < 30  # generous: a sanity bound on a loaded CI machine, not a performance target

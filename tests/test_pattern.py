@@ -1,0 +1,163 @@
+"""Pattern semantics against brute-force definitions written from the DESIGN table."""
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import sparse_attn as sa
+
+SIZES = [(1, 1), (7, 7), (16, 16), (13, 29), (29, 13), (40, 40)]
+
+
+def brute(rule, n_q, n_k):
+    """Evaluate ``rule(i, j, n_q, n_k) -> bool`` pair by pair: the textbook definition."""
+    return torch.tensor([[bool(rule(i, j, n_q, n_k)) for j in range(n_k)] for i in range(n_q)])
+
+
+DEFINITIONS = [
+    (sa.Local(3), lambda i, j, nq, nk: i - 3 <= j <= i + 3),
+    (sa.Local(2, 5), lambda i, j, nq, nk: i - 2 <= j <= i + 5),
+    (sa.Local(0, 0), lambda i, j, nq, nk: i == j),
+    (sa.Local(1, block_size=4), lambda i, j, nq, nk: i // 4 - 1 <= j // 4 <= i // 4 + 1),
+    (sa.Stride(3), lambda i, j, nq, nk: (i - j) % 3 == 0),
+    (sa.Stride(4, offset=1), lambda i, j, nq, nk: (i - j - 1) % 4 == 0),
+    (sa.Dilated(2, 3), lambda i, j, nq, nk: i - 6 <= j <= i + 6 and (i - j) % 3 == 0),
+    (sa.Dilated(2, 2, after=1), lambda i, j, nq, nk: i - 4 <= j <= i + 2 and (i - j) % 2 == 0),
+    (sa.Global(tokens=(2, 5)), lambda i, j, nq, nk: i in (2, 5) or j in (2, 5)),
+    (sa.Global(first=2, last=1), lambda i, j, nq, nk: i < 2 or i >= nq - 1 or j < 2 or j >= nk - 1),
+    (sa.Global(), lambda i, j, nq, nk: False),
+    (sa.Sink(tokens=(3,), first=1), lambda i, j, nq, nk: j in (0, 3)),
+    (sa.Sink(period=4, width=2), lambda i, j, nq, nk: j % 4 >= 2),
+    (sa.Causal(), lambda i, j, nq, nk: j <= i + (nk - nq)),
+    (sa.Dense(), lambda i, j, nq, nk: True),
+    (sa.Local(2) | sa.Global(first=1), lambda i, j, nq, nk: abs(i - j) <= 2 or i < 1 or j < 1),
+    (sa.Local(4) & sa.Causal(), lambda i, j, nq, nk: i - 4 <= j <= i + 4 and j <= i + nk - nq),
+    (sa.Stride(2) & sa.Stride(3), lambda i, j, nq, nk: (i - j) % 6 == 0),
+]
+
+
+@pytest.mark.parametrize("pattern, rule", DEFINITIONS, ids=[repr(p) for p, _ in DEFINITIONS])
+@pytest.mark.parametrize("n_q, n_k", SIZES)
+def test_mask_matches_definition(pattern, rule, n_q, n_k):
+    mask = pattern.mask(n_q, n_k, heads=2)
+    assert mask.shape == (2, n_q, n_k) and mask.dtype == torch.bool
+    expected = brute(rule, n_q, n_k)
+    assert torch.equal(mask[0], expected) and torch.equal(mask[1], expected)
+
+
+def test_global_tokens_beyond_length_are_ignored():
+    assert torch.equal(sa.Global(tokens=(1, 100)).mask(4), sa.Global(tokens=(1,)).mask(4))
+
+
+def test_per_head_uses_one_pattern_per_head():
+    p = sa.PerHead([sa.Local(0), sa.Causal(), sa.Dense()])
+    mask = p.mask(5, heads=3)
+    assert torch.equal(mask[0], sa.Local(0).mask(5)[0])
+    assert torch.equal(mask[1], sa.Causal().mask(5)[0])
+    assert mask[2].all()
+
+
+class TestRandom:
+    def test_each_row_gets_its_blocks_outside_the_rest_of_the_union(self):
+        rest = sa.Local(1, block_size=4) | sa.Global(first=4)
+        p = rest | sa.Random(2, seed=3, block_size=4)
+        mask, rest_mask = p.mask(64, heads=4), rest.mask(64, heads=4)
+        extra = (mask & ~rest_mask).reshape(4, 16, 4, 16, 4)           # (H, row tile, 4, col tile, 4)
+        tiles = extra.any(dim=(2, 4))                                  # (H, 16, 16) chosen tiles
+        assert torch.equal(extra.all(dim=(2, 4)), tiles), "random blocks are whole tiles"
+        counts = tiles.sum(-1)
+        assert (counts[:, 1:] == 2).all(), "every non-global row gets exactly 2 random blocks"
+        assert (counts[:, 0] == 0).all(), "the global row has no free block left"
+        touched = rest_mask.reshape(4, 16, 4, 16, 4).any(dim=(2, 4))
+        assert not (tiles & touched).any(), "random blocks avoid blocks the other members touch"
+
+    def test_deterministic_per_seed_and_different_per_head(self):
+        p = sa.Random(3, seed=7, block_size=8)
+        first, again = p.mask(256, heads=4), sa.Random(3, seed=7, block_size=8).mask(256, heads=4)
+        assert torch.equal(first, again)
+        assert not torch.equal(first[0], first[1])
+        assert not torch.equal(first, sa.Random(3, seed=8, block_size=8).mask(256, heads=4))
+
+    def test_train_and_eval_identical_no_global_rng(self):
+        p = sa.Random(2, block_size=4)
+        torch.manual_seed(0)
+        np.random.seed(0)
+        a = p.mask(64)
+        torch.manual_seed(1)
+        np.random.seed(1)
+        torch.randn(10)
+        assert torch.equal(a, p.mask(64))
+
+    def test_more_blocks_than_exist_takes_every_block(self):
+        assert sa.Random(10, block_size=4).mask(12).all()
+
+
+class TestAlgebra:
+    def test_union_and_intersection_flatten(self):
+        a, b, c = sa.Local(1), sa.Stride(2), sa.Causal()
+        assert (a | b) | c == a | (b | c) == sa.Union(a, b, c)
+        assert len(((a & b) & c).patterns) == 3
+
+    def test_laws_on_masks(self):
+        a, b = sa.Local(2), sa.Stride(3)
+        assert torch.equal((a | b).mask(20), a.mask(20) | b.mask(20))
+        assert torch.equal((a & b).mask(20), a.mask(20) & b.mask(20))
+        assert torch.equal((a | b).mask(20), (b | a).mask(20))
+
+    def test_immutable_hashable_equal(self):
+        p = sa.Local(4) | sa.Global(tokens=[3, 1, 3])
+        q = sa.Local(4, 4) | sa.Global(tokens=(1, 3))
+        assert p == q and hash(p) == hash(q) and len({p, q}) == 1
+        with pytest.raises(AttributeError):
+            p.patterns = ()
+        assert pickle.loads(pickle.dumps(p)) == p
+
+    def test_readable_repr(self):
+        assert repr(sa.Local(256) | sa.Global(first=16)) == "Local(256) | Global(first=16)"
+        assert repr((sa.Local(3, 0) | sa.Stride(4)) & sa.Causal()) == "(Local(3, 0) | Stride(4)) & Causal()"
+        assert repr(sa.Random(3, seed=1)) == "Random(3, seed=1)"
+
+    def test_operands_must_be_patterns(self):
+        with pytest.raises(TypeError, match="right operand of | must be a sparse_attn Pattern"):
+            sa.Local(1) | 3
+
+
+ALL_KINDS = [sa.Local(3), sa.Local(2, 0, block_size=8), sa.Stride(4, offset=1), sa.Dilated(4, 2), sa.Global(tokens=(0, 9)),
+             sa.Global(first=2, last=3), sa.Sink(first=4, period=16, width=2), sa.Random(3, seed=5, block_size=16),
+             sa.Causal(), sa.Dense(), sa.PerHead([sa.Local(1), sa.Dense()]),
+             (sa.Local(8) | sa.Global(first=1) | sa.Random(2)) & sa.Causal()]
+
+
+@pytest.mark.parametrize("pattern", ALL_KINDS, ids=repr)
+def test_dict_round_trip(pattern):
+    d = pattern.to_dict()
+    assert sa.Pattern.from_dict(d) == pattern
+    assert d == sa.Pattern.from_dict(d).to_dict()
+
+
+INVALID = [
+    (lambda: sa.Local(-1), ValueError, "Local before must be >= 0, got -1"),
+    (lambda: sa.Local(2, -3), ValueError, "Local after must be >= 0, got -3"),
+    (lambda: sa.Local(2.5), TypeError, "Local before must be an int, got 2.5"),
+    (lambda: sa.Stride(0), ValueError, "Stride stride must be >= 1, got 0"),
+    (lambda: sa.Dilated(4, 0), ValueError, "Dilated dilation must be >= 1, got 0"),
+    (lambda: sa.Global(tokens=(-1,)), ValueError, "Global tokens must hold token positions >= 0, got -1"),
+    (lambda: sa.Global(tokens="ab"), TypeError, "Global tokens must be a sequence of ints"),
+    (lambda: sa.Sink(period=2, width=3), ValueError, "Sink width must be <= period"),
+    (lambda: sa.Random(-2), ValueError, "Random blocks must be >= 0, got -2"),
+    (lambda: sa.PerHead([]), ValueError, "PerHead needs a non-empty list"),
+    (lambda: sa.PerHead([sa.Local(1), "x"]), TypeError, "every member of PerHead must be a sparse_attn Pattern"),
+    (lambda: sa.PerHead([sa.Local(1)] * 3).mask(8, heads=2), ValueError, "PerHead has 3 patterns but heads=2"),
+    (lambda: sa.Local(1).mask(0), ValueError, "n_q must be >= 1, got 0"),
+    (lambda: sa.Local(1).mask(4, heads=0), ValueError, "heads must be >= 1, got 0"),
+    (lambda: sa.Pattern.from_dict({"type": "window"}), ValueError, "unknown pattern type 'window'"),
+    (lambda: sa.Pattern.from_dict({"type": "local", "width": 3}), ValueError, "pattern type 'local' has no field 'width'"),
+    (lambda: sa.Pattern.from_dict({"before": 3}), ValueError, "a pattern dict needs a 'type' key"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", INVALID, ids=[m for _, _, m in INVALID])
+def test_invalid_parameters_raise_clear_errors(make, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
+        make()
