@@ -148,7 +148,8 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                    stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
 
     empty = l_i == 0.0                                                    # rows with no allowed key
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]                        # (BLOCK_M, BLOCK_D)
+    l_i = tl.where(empty, 1.0, l_i)
+    out = acc / l_i[:, None]                                              # (BLOCK_M, BLOCK_D)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / 1.4426950408889634)
     o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + queries[:, None] * stride_on \
         + dims[None, :] * stride_od
@@ -411,7 +412,7 @@ def _setup_context(ctx, inputs, output):
 def _backward_autograd(ctx, dout, dlse):
     q, k, v, out, lse, *index = ctx.saved_tensors
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, index, ctx.block, ctx.scale)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, [None] * len(index), None, None
 
 
 _forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
