@@ -1,0 +1,1 @@
+"""Integrations with other libraries, each imported on demand (``sparse_attn.integrations.transformers``)."""
