@@ -390,14 +390,15 @@ def _compile(rule: Pattern, ctx: _Ctx, bs: int):
 
 
 def _tiles(rule, ctx, bs, i0, j0, chunk: int = 256) -> np.ndarray:
-    """Token masks (n, bs, bs) of blocks starting at (i0, j0), False outside the sequence."""
+    """Token masks (n, bs, bs) of blocks starting at query row i0 and key j0, False outside."""
     a = np.arange(bs, dtype=np.int64)
     out = np.zeros((len(i0), bs, bs), dtype=bool)
     for s in range(0, len(i0), chunk):
         i = i0[s:s + chunk, None, None] + a[None, :, None]
         j = j0[s:s + chunk, None, None] + a[None, None, :]
         inside = (i < ctx.n_q) & (j < ctx.n_k)
-        out[s:s + chunk] = rule._allows(np.minimum(i, ctx.n_q - 1), np.minimum(j, ctx.n_k - 1), ctx) & inside
+        positions = np.minimum(i, ctx.n_q - 1) + ctx.shift
+        out[s:s + chunk] = rule._allows(positions, np.minimum(j, ctx.n_k - 1), ctx) & inside
     return out
 
 

@@ -13,7 +13,7 @@ Patterns are small immutable specs, independent of sequence length. Every operat
 length first *resolves* the pattern for a context (n_q, n_k, head) into a tree of rules that answer
 three questions, all vectorised over numpy int64 arrays and none of them N x N:
 
-- ``_allows(i, j, ctx)``: token level, may (i, j) interact?
+- ``_allows(i, j, ctx)``: token level, may the query at position i and the key at position j interact?
 - ``_classify(blocks, ctx)``: for blocks given by their valid token ranges, is the block nonempty,
   full (every valid pair allowed), and a *signature*: two blocks of one rule with equal signatures
   have the same token mask (up to the block's own bounds), so a layout materialises one mask per
@@ -21,6 +21,10 @@ three questions, all vectorised over numpy int64 arrays and none of them N x N:
 - ``_candidates(ctx, block_size)``: a sorted superset of the nonempty block keys
   ``r * n_key_blocks + c``, in time proportional to its size; ``None`` for patterns that touch a
   large fraction of all blocks (Stride, Causal, Dense), which are then classified block by block.
+
+Positions: keys are at 0..n_k-1 and query row i is at position ``i + n_k - n_q`` (bottom-right
+aligned, as FlashAttention and FlexAttention align a decode step); with n_q == n_k they coincide.
+Rules see positions; blocks and masks are indexed by query row.
 """
 from __future__ import annotations
 
@@ -37,9 +41,14 @@ class _Ctx(NamedTuple):
     n_k: int
     head: int
 
+    @property
+    def shift(self) -> int:
+        """Position of query row 0: queries are the last n_q positions of the key sequence."""
+        return self.n_k - self.n_q
+
 
 class _Blocks(NamedTuple):
-    """Token ranges of blocks, inclusive: rows i0..i1, columns j0..j1 (int64 arrays)."""
+    """Blocks as inclusive position ranges: queries i0..i1, keys j0..j1 (int64 arrays)."""
 
     i0: np.ndarray
     i1: np.ndarray
@@ -128,7 +137,7 @@ class Pattern:
         """
         n_q, n_k = _check_lengths(n_q, n_k)
         self._check_heads(heads)
-        i = np.arange(n_q, dtype=np.int64)[:, None]
+        i = np.arange(n_q, dtype=np.int64)[:, None] + (n_k - n_q)       # query positions
         j = np.arange(n_k, dtype=np.int64)[None, :]
         per_head = self.head_dependent
         rows = []
@@ -302,7 +311,7 @@ class Local(Pattern):
     def _candidates(self, ctx, block_size):
         u, n_kb = self.block_size, _n_blocks(ctx.n_k, block_size)
         r = np.arange(_n_blocks(ctx.n_q, block_size), dtype=np.int64)
-        i0, i1 = r * block_size, np.minimum((r + 1) * block_size, ctx.n_q) - 1
+        i0, i1 = r * block_size + ctx.shift, np.minimum((r + 1) * block_size, ctx.n_q) - 1 + ctx.shift
         j_min = np.maximum((i0 // u - self.before) * u, 0)
         j_max = np.minimum((i1 // u + self.after) * u + u - 1, ctx.n_k - 1)
         return _ranges_to_keys(r, j_min // block_size, np.where(j_max >= j_min, j_max // block_size, -1), n_kb)
@@ -367,9 +376,9 @@ class Dilated(Pattern):
 class Global(Pattern):
     """Global tokens (symmetric): their rows and columns are dense.
 
-    ``tokens`` are explicit positions, ``first``/``last`` count from each end of the query axis for
-    rows and of the key axis for columns. Positions at or beyond a sequence's length are ignored, so
-    one pattern works at every length.
+    ``tokens`` are explicit positions, ``first``/``last`` count from each end of the sequence (the
+    key positions; queries share them, see the module docstring). Positions at or beyond the length
+    are ignored, so one pattern works at every length.
 
     >>> Global(first=1).mask(3)[0].int()
     tensor([[1, 1, 1],
@@ -387,14 +396,13 @@ class Global(Pattern):
         _check_int("Global first", self.first, 0)
         _check_int("Global last", self.last, 0)
 
-    def _positions(self, n: int, last: int) -> np.ndarray:
+    def _resolve(self, ctx):
+        n = ctx.n_k
         explicit = np.asarray([t for t in self.tokens if t < n], dtype=np.int64)
         head = np.arange(min(self.first, n), dtype=np.int64)
-        tail = np.arange(max(n - last, 0), n, dtype=np.int64)
-        return np.unique(np.concatenate([explicit, head, tail]))
-
-    def _resolve(self, ctx):
-        return _TokenGlobal(self._positions(ctx.n_q, self.last), self._positions(ctx.n_k, self.last))
+        tail = np.arange(max(n - self.last, 0), n, dtype=np.int64)
+        positions = np.unique(np.concatenate([explicit, head, tail]))
+        return _TokenGlobal(positions, positions)
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -438,7 +446,7 @@ class Sink(Pattern):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Causal(Pattern):
-    """``j <= i + (n_k - n_q)``: bottom-right aligned, as FlashAttention and FlexAttention decode.
+    """Query row i sees keys ``j <= i + (n_k - n_q)``: no key after the query's position.
 
     >>> Causal().mask(2, 3)[0].int()
     tensor([[1, 1, 0],
@@ -448,11 +456,10 @@ class Causal(Pattern):
     _type: ClassVar[str] = "causal"
 
     def _allows(self, i, j, ctx):
-        return j - i <= ctx.n_k - ctx.n_q
+        return j <= i
 
     def _classify(self, b, ctx):
-        shift = ctx.n_k - ctx.n_q
-        return b.j0 - b.i1 <= shift, b.j1 - b.i0 <= shift, b.i0 - b.j0
+        return b.j0 <= b.i1, b.j1 <= b.i0, b.i0 - b.j0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -473,9 +480,9 @@ class Dense(Pattern):
 class Random(Pattern):
     """Random key blocks (BigBird): each (head, query block) gets ``blocks`` key blocks.
 
-    Blocks are ``block_size`` tokens and chosen among the key blocks that the other members of the
-    same union leave untouched, deterministically from (seed, head, query block): no global RNG,
-    identical in training and evaluation, different across heads.
+    Blocks are ``block_size`` positions and chosen among the key blocks that the other members of
+    the same union leave untouched, deterministically from (seed, head, query block): no global RNG,
+    identical in training and evaluation (and in a decode step), different across heads.
 
     >>> int(Random(2, block_size=4).mask(32)[0, 0].sum())
     8
@@ -501,8 +508,9 @@ class Random(Pattern):
     def _choose(self, ctx: _Ctx, excluded: Pattern | None) -> _RandomTiles:
         """Pick tiles row by row, skipping tiles that ``excluded`` (a resolved rule) touches."""
         u = self.block_size
-        n_qt, n_kt = _n_blocks(ctx.n_q, u), _n_blocks(ctx.n_k, u)
-        blocked = np.zeros(0, dtype=np.int64) if excluded is None else block_table(excluded, ctx, u)[0]
+        square = _Ctx(ctx.n_k, ctx.n_k, ctx.head)  # tiles cover every position, whatever n_q is
+        n_qt = n_kt = _n_blocks(ctx.n_k, u)
+        blocked = np.zeros(0, dtype=np.int64) if excluded is None else block_table(excluded, square, u)[0]
         taken = blocked
         rows = np.arange(n_qt, dtype=np.int64)
         n_free = n_kt - _count_in(taken, rows * n_kt, rows * n_kt + n_kt - 1)
@@ -692,12 +700,13 @@ class _TokenGlobal(Pattern):
         n_cols = _count_in(self.cols, b.j0, b.j1)
         nonempty = (n_rows > 0) | (n_cols > 0)
         full = (n_rows == b.i1 - b.i0 + 1) | (n_cols == b.j1 - b.j0 + 1)
-        sig = np.stack([np.where(n_rows > 0, b.i0 + 1, 0), np.where(n_cols > 0, b.j0 + 1, 0)], axis=1)
+        sig = np.stack([n_rows > 0, np.where(n_rows > 0, b.i0, 0), n_cols > 0, np.where(n_cols > 0, b.j0, 0)], axis=1)
         return nonempty, full, sig
 
     def _candidates(self, ctx, block_size):
         n_qb, n_kb = _n_blocks(ctx.n_q, block_size), _n_blocks(ctx.n_k, block_size)
-        row_blocks = np.unique(self.rows // block_size)
+        query_rows = self.rows - ctx.shift
+        row_blocks = np.unique(query_rows[(query_rows >= 0) & (query_rows < ctx.n_q)] // block_size)
         col_blocks = np.unique(self.cols // block_size)
         by_row = _ranges_to_keys(row_blocks, np.zeros_like(row_blocks), np.full_like(row_blocks, n_kb - 1), n_kb)
         by_col = (np.arange(n_qb, dtype=np.int64)[:, None] * n_kb + col_blocks[None, :]).reshape(-1)
@@ -744,13 +753,17 @@ class _RandomTiles(Pattern):
     def _candidates(self, ctx, block_size):
         u, n_kb = self.u, _n_blocks(ctx.n_k, block_size)
         tile_r, tile_c = self.chosen // self.n_kt, self.chosen % self.n_kt
+        first_row = np.maximum(tile_r * u - ctx.shift, 0)                 # query rows of each tile
+        last_row = np.minimum(tile_r * u + u - 1 - ctx.shift, ctx.n_q - 1)
+        seen = first_row <= last_row
+        first_row, last_row, tile_c = first_row[seen], last_row[seen], tile_c[seen]
         keys = []
         for dr in range(-(-u // block_size) + 1):
-            r = np.minimum((tile_r * u) // block_size + dr, (np.minimum(tile_r * u + u, ctx.n_q) - 1) // block_size)
+            r = np.minimum(first_row // block_size + dr, last_row // block_size)
             for dc in range(-(-u // block_size) + 1):
                 c = np.minimum((tile_c * u) // block_size + dc, (np.minimum(tile_c * u + u, ctx.n_k) - 1) // block_size)
                 keys.append(r * n_kb + c)
-        return np.unique(np.concatenate(keys)) if keys else np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate(keys))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -778,7 +791,7 @@ def block_table(rule: Pattern, ctx: _Ctx, block_size: int) -> tuple[np.ndarray, 
 def _classify_keys(rule, ctx, block_size, keys):
     n_kb = _n_blocks(ctx.n_k, block_size)
     r, c = keys // n_kb, keys % n_kb
-    blocks = _Blocks(r * block_size, np.minimum((r + 1) * block_size, ctx.n_q) - 1,
+    blocks = _Blocks(r * block_size + ctx.shift, np.minimum((r + 1) * block_size, ctx.n_q) - 1 + ctx.shift,
                      c * block_size, np.minimum((c + 1) * block_size, ctx.n_k) - 1)
     nonempty, full, sig = rule._classify(blocks, ctx)
     nonempty, full = np.broadcast_to(nonempty, keys.shape), np.broadcast_to(full, keys.shape)

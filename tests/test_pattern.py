@@ -11,29 +11,30 @@ SIZES = [(1, 1), (7, 7), (16, 16), (13, 29), (29, 13), (40, 40)]
 
 
 def brute(rule, n_q, n_k):
-    """Evaluate ``rule(i, j, n_q, n_k) -> bool`` pair by pair: the textbook definition."""
-    return torch.tensor([[bool(rule(i, j, n_q, n_k)) for j in range(n_k)] for i in range(n_q)])
+    """Evaluate ``rule(i, j, n_k) -> bool`` pair by pair: the textbook definition, with query row r at
+    position i = r + n_k - n_q (queries are the last n_q positions, as in a decode step)."""
+    return torch.tensor([[bool(rule(r + n_k - n_q, j, n_k)) for j in range(n_k)] for r in range(n_q)])
 
 
 DEFINITIONS = [
-    (sa.Local(3), lambda i, j, nq, nk: i - 3 <= j <= i + 3),
-    (sa.Local(2, 5), lambda i, j, nq, nk: i - 2 <= j <= i + 5),
-    (sa.Local(0, 0), lambda i, j, nq, nk: i == j),
-    (sa.Local(1, block_size=4), lambda i, j, nq, nk: i // 4 - 1 <= j // 4 <= i // 4 + 1),
-    (sa.Stride(3), lambda i, j, nq, nk: (i - j) % 3 == 0),
-    (sa.Stride(4, offset=1), lambda i, j, nq, nk: (i - j - 1) % 4 == 0),
-    (sa.Dilated(2, 3), lambda i, j, nq, nk: i - 6 <= j <= i + 6 and (i - j) % 3 == 0),
-    (sa.Dilated(2, 2, after=1), lambda i, j, nq, nk: i - 4 <= j <= i + 2 and (i - j) % 2 == 0),
-    (sa.Global(tokens=(2, 5)), lambda i, j, nq, nk: i in (2, 5) or j in (2, 5)),
-    (sa.Global(first=2, last=1), lambda i, j, nq, nk: i < 2 or i >= nq - 1 or j < 2 or j >= nk - 1),
-    (sa.Global(), lambda i, j, nq, nk: False),
-    (sa.Sink(tokens=(3,), first=1), lambda i, j, nq, nk: j in (0, 3)),
-    (sa.Sink(period=4, width=2), lambda i, j, nq, nk: j % 4 >= 2),
-    (sa.Causal(), lambda i, j, nq, nk: j <= i + (nk - nq)),
-    (sa.Dense(), lambda i, j, nq, nk: True),
-    (sa.Local(2) | sa.Global(first=1), lambda i, j, nq, nk: abs(i - j) <= 2 or i < 1 or j < 1),
-    (sa.Local(4) & sa.Causal(), lambda i, j, nq, nk: i - 4 <= j <= i + 4 and j <= i + nk - nq),
-    (sa.Stride(2) & sa.Stride(3), lambda i, j, nq, nk: (i - j) % 6 == 0),
+    (sa.Local(3), lambda i, j, n: i - 3 <= j <= i + 3),
+    (sa.Local(2, 5), lambda i, j, n: i - 2 <= j <= i + 5),
+    (sa.Local(0, 0), lambda i, j, n: i == j),
+    (sa.Local(1, block_size=4), lambda i, j, n: i // 4 - 1 <= j // 4 <= i // 4 + 1),
+    (sa.Stride(3), lambda i, j, n: (i - j) % 3 == 0),
+    (sa.Stride(4, offset=1), lambda i, j, n: (i - j - 1) % 4 == 0),
+    (sa.Dilated(2, 3), lambda i, j, n: i - 6 <= j <= i + 6 and (i - j) % 3 == 0),
+    (sa.Dilated(2, 2, after=1), lambda i, j, n: i - 4 <= j <= i + 2 and (i - j) % 2 == 0),
+    (sa.Global(tokens=(2, 5)), lambda i, j, n: i in (2, 5) or j in (2, 5)),
+    (sa.Global(first=2, last=1), lambda i, j, n: 0 <= i < 2 or i >= n - 1 or j < 2 or j >= n - 1),
+    (sa.Global(), lambda i, j, n: False),
+    (sa.Sink(tokens=(3,), first=1), lambda i, j, n: j in (0, 3)),
+    (sa.Sink(period=4, width=2), lambda i, j, n: j % 4 >= 2),
+    (sa.Causal(), lambda i, j, n: j <= i),
+    (sa.Dense(), lambda i, j, n: True),
+    (sa.Local(2) | sa.Global(first=1), lambda i, j, n: abs(i - j) <= 2 or i == 0 or j == 0),
+    (sa.Local(4) & sa.Causal(), lambda i, j, n: i - 4 <= j <= i + 4 and j <= i),
+    (sa.Stride(2) & sa.Stride(3), lambda i, j, n: (i - j) % 6 == 0),
 ]
 
 
@@ -44,6 +45,13 @@ def test_mask_matches_definition(pattern, rule, n_q, n_k):
     assert mask.shape == (2, n_q, n_k) and mask.dtype == torch.bool
     expected = brute(rule, n_q, n_k)
     assert torch.equal(mask[0], expected) and torch.equal(mask[1], expected)
+
+
+def test_decode_step_sees_what_the_last_row_of_the_full_sequence_sees():
+    pattern = (sa.Local(5, 0) | sa.Global(first=2) | sa.Random(1, block_size=4)) & sa.Causal()
+    full = pattern.mask(40, heads=2)
+    for n in (1, 7, 40):
+        assert torch.equal(pattern.mask(n, 40, heads=2), full[:, -n:]), n
 
 
 def test_global_tokens_beyond_length_are_ignored():

@@ -1,0 +1,79 @@
+"""sparse_attention(): every bad input is a clear error naming the argument, the value and the fix."""
+import pytest
+import torch
+
+import sparse_attn as sa
+
+
+def tensors(b=2, h=4, n=32, d=8, kv_heads=None, n_k=None, dtype=torch.float32):
+    q = torch.randn(b, h, n, d).to(dtype)
+    k = torch.randn(b, kv_heads or h, n_k or n, d).to(dtype)
+    return q, k, k.clone()
+
+
+def call(*args, **kwargs):
+    kwargs.setdefault("backend", "reference")
+    return sa.sparse_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: call(torch.randn(2, 32, 8), *tensors()[1:], sa.Local(1)), ValueError,
+     r"q must have shape \(batch, heads, seq_len, head_dim\), got \(2, 32, 8\)"),
+    (lambda: call([1.0], *tensors()[1:], sa.Local(1)), TypeError, "q must be a torch.Tensor, got list"),
+    (lambda: call(*tensors(dtype=torch.int64), sa.Local(1)), TypeError,
+     "q must be float16, bfloat16, float32 or float64, got torch.int64"),
+    (lambda: call(tensors()[0], *tensors(dtype=torch.float64)[1:], sa.Local(1)), TypeError,
+     "q, k, v must share one dtype"),
+    (lambda: call(*tensors(kv_heads=3), sa.Local(1)), ValueError,
+     r"the number of k/v heads \(3\) must divide the number of q heads \(4\)"),
+    (lambda: call(tensors()[0], tensors()[1], tensors(n=31)[2], sa.Local(1)), ValueError,
+     "k and v must have the same shape"),
+    (lambda: call(*tensors(), "local"), TypeError, "pattern must be a sparse_attn Pattern or BlockLayout, got str"),
+    (lambda: call(*tensors(), sa.Local(1), backend="cuda"), ValueError,
+     r"backend must be one of \['auto', 'reference', 'numba', 'triton'\], got 'cuda'"),
+    (lambda: call(*tensors(), sa.Local(1), scale=-1.0), ValueError, "scale must be a positive float, got -1.0"),
+    (lambda: call(*tensors(), sa.Local(1), key_padding_mask=torch.zeros(2, 32)), TypeError,
+     r"key_padding_mask must be a torch.bool tensor of shape \(2, 32\), got torch.float32; convert with .bool\(\)"),
+    (lambda: call(*tensors(), sa.Local(1), key_padding_mask=torch.zeros(3, 32, dtype=torch.bool)), ValueError,
+     r"key_padding_mask must have shape \(2, 32\), got \(3, 32\)"),
+    (lambda: call(*tensors(), sa.Local(1), global_mask=torch.zeros(2, 31, dtype=torch.bool)), ValueError,
+     r"global_mask must have shape \(2, 32\), got \(2, 31\)"),
+    (lambda: call(*tensors(), sa.Local(1).layout(64, heads=4)), ValueError,
+     r"the BlockLayout was built for n_q=64, n_k=64 but the inputs have n_q=32, n_k=32"),
+    (lambda: call(*tensors(), sa.Local(1).layout(32, heads=2)), ValueError,
+     "the BlockLayout was built for heads=2 but q has 4 heads"),
+    (lambda: call(*tensors(), sa.Local(1).layout(32, heads=4), causal=True), ValueError,
+     "causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout"),
+    (lambda: call(*tensors(), sa.PerHead([sa.Local(1)] * 3)), ValueError, "PerHead has 3 patterns but heads=4"),
+])
+def test_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_prebuilt_layout_is_reused_and_equals_the_pattern_call():
+    q, k, v = tensors()
+    pattern = sa.Local(4) | sa.Global(first=1)
+    layout = pattern.layout(32, heads=4, block_size=16)
+    torch.testing.assert_close(call(q, k, v, layout), call(q, k, v, pattern))
+
+
+def test_per_example_layout_with_matching_batch():
+    q, k, v = tensors()
+    padding = torch.zeros(2, 32, dtype=torch.bool)
+    padding[1, 20:] = True
+    layout = sa.Local(4).layout(32, heads=4, key_padding_mask=padding)
+    torch.testing.assert_close(call(q, k, v, layout), call(q, k, v, sa.Local(4), key_padding_mask=padding))
+    with pytest.raises(ValueError, match="the BlockLayout was built for a batch of 2 but q has batch 3"):
+        call(*tensors(b=3), layout)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = tensors(d=16)
+    torch.testing.assert_close(call(q, k, v, sa.Local(3)), call(q, k, v, sa.Local(3), scale=0.25))
+
+
+def test_auto_picks_numba_on_cpu():
+    from sparse_attn.api import _choose_backend
+    assert _choose_backend("auto", torch.zeros(1)) == "numba"
+    assert _choose_backend("reference", torch.zeros(1)) == "reference"

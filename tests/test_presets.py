@@ -1,0 +1,82 @@
+"""Named constructors and the preset files shipped in the wheel."""
+import pytest
+import torch
+
+import sparse_attn as sa
+
+REQUIRED = ["longformer-base-4096", "longformer-large-4096", "bigbird-itc", "bigbird-etc",
+            "sparse-transformer-strided", "sparse-transformer-fixed", "streaming-llm", "dilated-longformer"]
+
+
+def test_every_required_preset_is_listed_with_a_description():
+    listing = sa.list_presets()
+    assert set(REQUIRED) <= set(listing)
+    assert all(len(description) > 20 for description in listing.values())
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_presets_load_and_compile(name):
+    pattern = sa.preset(name)
+    heads = 12 if name == "dilated-longformer" else 2
+    layout = pattern.layout(1024, heads=heads, block_size=64)
+    assert 0 < layout.density < 1
+
+
+def test_unknown_preset_lists_the_names():
+    with pytest.raises(ValueError, match="unknown preset 'longformer'; available: .*bigbird-itc"):
+        sa.preset("longformer")
+
+
+def test_save_and_load_round_trip(tmp_path):
+    pattern = sa.PerHead([sa.Local(3) | sa.Random(2, seed=4), sa.Dilated(2, 3) & sa.Causal()]) | sa.Global(first=1)
+    path = tmp_path / "mine.toml"
+    sa.save_pattern(pattern, path, description="two heads", heads=2)
+    assert sa.load_pattern(path) == pattern
+    assert 'description = "two heads"' in path.read_text()
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="no pattern file at"):
+        sa.load_pattern(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = 'x'\n")
+    with pytest.raises(ValueError, match=r"needs a \[pattern\] table"):
+        sa.load_pattern(bad)
+    bad.write_text("[pattern\n")
+    with pytest.raises(ValueError, match="is not valid TOML"):
+        sa.load_pattern(bad)
+
+
+def test_longformer_window_is_split_each_side():
+    assert sa.longformer(512) == sa.Local(256) | sa.Global(tokens=(0,))
+    with pytest.raises(ValueError, match="window must be even"):
+        sa.longformer(511)
+
+
+def test_bigbird_blocks():
+    mask = sa.bigbird(block=4, random_blocks=0).mask(32)[0]
+    tiles = mask.reshape(8, 4, 8, 4).all(dim=(1, 3))
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    for r in range(8):
+        expected[r, max(r - 1, 0):r + 2] = True
+    expected[[0, 7], :] = True
+    expected[:, [0, 7]] = True
+    assert torch.equal(tiles, expected)
+    assert torch.equal(mask, tiles.repeat_interleave(4, 0).repeat_interleave(4, 1))
+    with pytest.raises(ValueError, match="window_blocks must be odd"):
+        sa.bigbird(window_blocks=2)
+
+
+def test_sparse_transformer_modes():
+    strided = sa.sparse_transformer(4).mask(16)[0]
+    assert strided[10].nonzero().flatten().tolist() == [2, 6, 7, 8, 9, 10]
+    fixed = sa.sparse_transformer(4, "fixed", summary=1).mask(16)[0]
+    assert fixed[10].nonzero().flatten().tolist() == [3, 7, 8, 9, 10]
+    with pytest.raises(ValueError, match="mode must be 'strided' or 'fixed'"):
+        sa.sparse_transformer(4, mode="axial")
+
+
+def test_streaming_keeps_sinks_and_recent_window():
+    mask = sa.streaming(sink=2, window=3).mask(10)[0]
+    assert mask[9].nonzero().flatten().tolist() == [0, 1, 7, 8, 9]
+    assert mask[1].nonzero().flatten().tolist() == [0, 1]
