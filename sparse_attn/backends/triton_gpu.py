@@ -49,7 +49,6 @@ BLOCK_SIZE = 64
 MAX_HEAD_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it when kernels are defined
 # The layout tensors a kernel needs, in the order the custom ops take them.
 _INDEX = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
           "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
@@ -314,6 +313,10 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
              mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
 
 
+# Triton picks compiled or interpreted kernels when they are defined (TRITON_INTERPRET at import).
+_INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+
+
 # ------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------
@@ -443,6 +446,9 @@ def check(q, k, v, layout: BlockLayout) -> None:
                                "cannot run on CPU; set it before the first `import triton` (e.g. in the shell)")
     elif q.device.type != "cuda":
         raise RuntimeError(f"backend='triton' runs CUDA tensors, got q on {q.device}; use backend='reference'")
+    if q.dtype == torch.bfloat16 and _INTERPRETED:
+        raise ValueError("Triton's interpreter (TRITON_INTERPRET=1) computes tl.dot on bfloat16 wrongly (numpy has "
+                         "no bfloat16), got q of dtype torch.bfloat16; test with float16 or float32, or run on CUDA")
     if q.dtype not in _DTYPES:
         raise ValueError(f"backend='triton' supports float16, bfloat16 and float32 inputs, got q of dtype {q.dtype}; "
                          f"cast with .float() or use backend='reference' for float64")
