@@ -24,6 +24,10 @@ from torch import nn
 from .api import sparse_attention
 from .pattern import Dense, Pattern
 
+# Layouts are built on the host from the masks' values (numpy), which torch.compile cannot trace: the
+# attention call is a graph break, the projections around it compile.
+_attention = torch.compiler.disable(sparse_attention)
+
 
 class SparseSelfAttention(nn.Module):
     """Multi-head self-attention over the pairs that ``pattern`` allows, with q/k/v/out projections.
@@ -96,7 +100,7 @@ class SparseSelfAttention(nn.Module):
         q = self._split_heads(self.q_proj(x), self.num_heads)                      # (B, H, N, D)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
-        out = sparse_attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
+        out = _attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
                                global_mask=global_mask, backend=self.backend)     # (B, H, N, D)
         if self.global_projections and global_mask is not None:
             out = self._global_rows(x, out, key_padding_mask, global_mask)
@@ -108,17 +112,16 @@ class SparseSelfAttention(nn.Module):
 
     def _global_rows(self, x, out, key_padding_mask, global_mask):
         """Replace the rows of global tokens by attention through the global projections."""
-        count = int(global_mask.sum(1).max())
-        if count == 0:
+        index = _global_positions(global_mask)                                    # (B, G)
+        if index is None:
             return out
         batch, heads, _, head_dim = out.shape
-        # Each example's global positions first (in order), padded with non-global positions.
-        index = torch.sort(global_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :count]
+        count = index.shape[1]
         x_global = x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))      # (B, G, E)
         q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
         k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
-        rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
+        rows = _attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
                                 backend=self.backend)                             # (B, H, G, D)
         index = index[:, None, :, None].expand(batch, heads, count, head_dim)
         rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
@@ -133,6 +136,15 @@ class SparseSelfAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             layout = "(batch, seq_len, embed_dim)" if self.batch_first else "(seq_len, batch, embed_dim)"
             raise ValueError(f"x must have shape {layout} with embed_dim={self.embed_dim}, got {tuple(x.shape)}")
+
+
+@torch.compiler.disable  # a data-dependent size: a quiet graph break
+def _global_positions(global_mask: torch.Tensor) -> torch.Tensor | None:
+    """(B, G): each example's global positions in order, then non-global ones; G = the largest count."""
+    count = int(global_mask.sum(1).max())
+    if count == 0:
+        return None
+    return torch.sort(global_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :count]
 
 
 def _check_sizes(embed_dim, num_heads, num_kv_heads) -> None:

@@ -32,6 +32,8 @@ try:  # transformers >= 4.53 builds masks through a per-implementation mask func
 except ImportError:  # older versions hand the attention function a 4D mask
     AttentionMaskInterface = None
 
+# Layouts are built on the host from the mask's values, which torch.compile cannot trace: a graph break.
+_sparse_attention = torch.compiler.disable(sparse_attention)
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 _REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
 
@@ -75,9 +77,9 @@ def _attention_function(name: str):
             # Decoding with a KV cache: the queries are the last n_q positions. Patterns place query i
             # at position i, so pad the queries in front to put them there.
             query = nn.functional.pad(query, (0, 0, n_k - n_q, 0))              # (B, Hq, Nk, D)
-        out = sparse_attention(query, key, value, pattern, causal=causal,
-                               key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
-                               backend=backend)[:, :, -n_q:]                       # (B, Hq, Nq, D)
+        out = _sparse_attention(query, key, value, pattern, causal=causal,
+                                key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
+                                backend=backend)[:, :, -n_q:]                      # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return out.transpose(1, 2).contiguous(), None
