@@ -72,14 +72,10 @@ def _attention_function(name: str):
         pattern = model_pattern(getattr(module, "config", None), pattern)
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        n_q, n_k = query.shape[2], key.shape[2]
-        if causal and n_q < n_k:
-            # Decoding with a KV cache: the queries are the last n_q positions. Patterns place query i
-            # at position i, so pad the queries in front to put them there.
-            query = nn.functional.pad(query, (0, 0, n_k - n_q, 0))              # (B, Hq, Nk, D)
+        # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
         out = _sparse_attention(query, key, value, pattern, causal=causal,
                                 key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
-                                backend=backend)[:, :, -n_q:]                      # (B, Hq, Nq, D)
+                                backend=backend)                                   # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,198 @@
+"""sparse_attn.integrations.transformers: attn_implementation="sparse_attn" for BERT, RoBERTa and Llama
+(GQA), against the models' own eager attention; training, generation with a KV cache, to_long_model."""
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparse_attn as sa
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
+                          BertConfig, LlamaConfig, RobertaConfig)
+
+from sparse_attn.integrations.transformers import register, to_long_model  # noqa: E402
+
+BACKEND = ("numba" if importlib.util.find_spec("sparse_attn.backends.numba_cpu") and importlib.util.find_spec("numba")
+           else "reference")
+DENSE = register(sa.Dense(), name="sparse_attn_test_dense", backend=BACKEND)
+LOCAL = register(sa.Local(3) | sa.Global(first=1), name="sparse_attn_test_local", backend=BACKEND)
+VOCAB = 100
+
+
+def _config(kind: str, **kwargs):
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+                  max_position_embeddings=128, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    common |= kwargs
+    if kind == "bert":
+        return BertConfig(**common)
+    if kind == "roberta":
+        return RobertaConfig(**common, pad_token_id=1)
+    common = {k: v for k, v in common.items() if "dropout" not in k}
+    return LlamaConfig(**common, num_key_value_heads=2, pad_token_id=0)  # GQA: 4 query, 2 kv heads
+
+
+def _twins(kind: str, implementation: str, model_class=AutoModel):
+    """The same random weights under eager attention and under ``implementation``."""
+    torch.manual_seed(0)
+    eager = model_class.from_config(_config(kind), attn_implementation="eager").eval()
+    ours = model_class.from_config(copy.deepcopy(eager.config), attn_implementation=implementation).eval()
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def _batch(n=40, left=False):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (3, n), generator=gen)
+    lengths = torch.tensor([n, n - 9, 12])
+    keep = torch.arange(n) < lengths[:, None]                                   # (B, N), True = token
+    if left:
+        keep = keep.flip(1)
+    return ids, keep.long()
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "llama"])
+def test_dense_pattern_equals_eager_attention(kind):
+    eager, ours = _twins(kind, DENSE)
+    ids, mask = _batch()
+    expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, eager(input_ids=ids).last_hidden_state,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_dense_pattern_equals_eager_with_left_padding():
+    eager, ours = _twins("llama", DENSE)
+    ids, mask = _batch(left=True)
+    keep = mask.bool()
+    expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+    out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[keep], expected[keep], atol=1e-5, rtol=1e-5)
+
+
+def _pattern_mask(pattern, keep, causal):
+    """Eager's additive 4D mask (B, 1, N, N) for ``pattern`` with padding."""
+    n = keep.shape[1]
+    allowed = pattern.mask(n)[None] & keep.bool()[:, None, None, :]
+    if causal:
+        allowed = allowed & sa.Causal().mask(n)[None]
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_sparse_pattern_equals_eager_with_the_pattern_as_mask(kind):
+    eager, ours = _twins(kind, LOCAL)
+    ids, mask = _batch()
+    keep = mask.bool()
+    expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(3) | sa.Global(first=1), mask,
+                                                                 causal=kind == "llama")).last_hidden_state
+    out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[keep], expected[keep], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out[keep], eager(input_ids=ids, attention_mask=mask).last_hidden_state[keep], atol=1e-3)
+
+
+def test_config_pattern_overrides_the_registered_one():
+    eager, ours = _twins("bert", DENSE)
+    ours.config.sparse_attn_pattern = sa.Local(2).to_dict()
+    ids, mask = _batch()
+    expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(2), mask, causal=False)).last_hidden_state
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).last_hidden_state[mask.bool()],
+                               expected[mask.bool()], atol=1e-5, rtol=1e-5)
+    saved = json.loads(ours.config.to_json_string())
+    assert sa.Pattern.from_dict(saved["sparse_attn_pattern"]) == sa.Local(2)
+
+
+def test_training_step_encoder():
+    torch.manual_seed(0)
+    config = _config("bert", num_labels=2, attention_probs_dropout_prob=0.1)
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation=LOCAL).train()
+    ids, mask = _batch()
+    loss = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 1])).loss
+    loss.backward()
+    grad = model.bert.encoder.layer[0].attention.self.query.weight.grad
+    assert torch.isfinite(loss) and grad is not None and grad.abs().sum() > 0
+
+
+def test_training_step_decoder():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).train()
+    ids, mask = _batch()
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    loss.backward()
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad
+    assert torch.isfinite(loss) and grad is not None and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("left_padding", [False, True])
+def test_decoding_with_kv_cache_matches_full_forward(left_padding):
+    """Each decoded token's logits equal the full-sequence forward: the pattern is aligned to the end."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    ids, mask = _batch(n=16, left=left_padding)
+    full = model(input_ids=ids, attention_mask=mask).logits                     # (B, N, V)
+    prefill = 10
+    out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
+    cache, steps = out.past_key_values, [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        steps.append(out.logits)
+    keep = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, 1)[keep], full[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_causal_sparse_pattern():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    ids, mask = _batch(n=12, left=True)
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=mask)
+    cached = model.generate(ids, use_cache=True, **options)
+    assert cached.shape == (3, 20)
+    torch.testing.assert_close(cached, model.generate(ids, use_cache=False, **options))
+
+
+def test_to_long_model_tiles_positions_and_runs():
+    torch.manual_seed(0)
+    for kind, offset in (("bert", 0), ("roberta", 2)):
+        config = _config(kind, max_position_embeddings=32 + offset, num_labels=2)
+        model = AutoModelForSequenceClassification.from_config(config)
+        old = model.base_model.embeddings.position_embeddings.weight.detach().clone()
+        model = to_long_model(model, 200, sa.Local(8) | sa.Global(first=1))
+        new = model.base_model.embeddings.position_embeddings.weight
+        assert new.shape == (200 + offset, 32) and model.config.max_position_embeddings == 200 + offset
+        torch.testing.assert_close(new[:offset + 32], old)
+        torch.testing.assert_close(new[offset + 32:offset + 64], old[offset:])
+        torch.testing.assert_close(new[offset + 192:], old[offset:offset + 8])
+        assert model.base_model.embeddings.position_ids.shape == (1, 200 + offset)
+        assert model.config._attn_implementation == "sparse_attn"
+        assert sa.Pattern.from_dict(model.config.sparse_attn_pattern) == sa.Local(8) | sa.Global(first=1)
+        ids = torch.randint(3, VOCAB, (2, 200))
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.tensor([0, 1])).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern"):
+        register("local")
+    with pytest.raises(ValueError, match="name must be a new attn_implementation name"):
+        register(sa.Local(4), name="sdpa")
+    llama = AutoModel.from_config(_config("llama"))
+    with pytest.raises(ValueError, match="to_long_model needs a BERT/RoBERTa-style model"):
+        to_long_model(llama, 4096)
+    bert = AutoModel.from_config(_config("bert"))
+    with pytest.raises(ValueError, match="max_positions=64 must exceed the model's 128 positions"):
+        to_long_model(bert, 64)
+    _, ours = _twins("bert", DENSE)
+    with pytest.raises(ValueError, match=r"sparse_attn needs a padding mask of shape \(batch, kv_length\)"):
+        ours(input_ids=torch.ones(2, 10, dtype=torch.long), attention_mask=torch.ones(2, 1, 10, 7))
+
+
+def test_sparse_attn_nn_does_not_import_transformers():
+    code = "import sys, sparse_attn.nn; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=sa.__path__[0] + "/..")
