@@ -1,0 +1,25 @@
+"""The wheel ships the presets and the type marker; the docstring examples are true."""
+import doctest
+import importlib
+import zipfile
+
+import pytest
+
+
+def test_wheel_contains_presets_and_py_typed(tmp_path):
+    builders = pytest.importorskip("hatchling.builders.wheel")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    wheel = next(builders.WheelBuilder(str(root)).build(directory=str(tmp_path), versions=["standard"]))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "sparse_attn/py.typed" in names
+    shipped = {n.split("/")[-1] for n in names if n.startswith("sparse_attn/patterns/")}
+    assert {p.name for p in (root / "patterns").glob("*.toml")} == shipped
+
+
+@pytest.mark.parametrize("module", ["sparse_attn", "sparse_attn.pattern", "sparse_attn.layout", "sparse_attn.api",
+                                    "sparse_attn.presets"])
+def test_docstring_examples(module):
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
