@@ -1,0 +1,555 @@
+"""The Numba CPU backend: block-sparse flash attention on CPU tensors, forward and backward.
+
+>>> import torch, sparse_attn as sa
+>>> from sparse_attn.api import sparse_attention
+>>> q = k = v = torch.randn(1, 2, 1000, 32)
+>>> sparse_attention(q, k, v, sa.Local(64) | sa.Global(first=4), backend="numba").shape
+torch.Size([1, 2, 1000, 32])
+
+Algorithm
+---------
+Work is cut into *tasks*, one per (example, head, query block) in the forward and the dQ pass,
+one per (example, kv head, key block) in the dK/dV pass. A task owns its output rows, so tasks
+never write to the same memory: no races, no atomics on data, bitwise-deterministic results.
+
+Forward task (query block ``r`` of head ``h``), FlashAttention's online softmax:
+
+1. ``qs = q[r] * scale * log2(e)`` (rows, D), so scores come out in base 2 and ``exp2`` is used.
+2. Walk the row's key blocks (full and partial CSR lists merged in key order) in *panels*: runs of
+   consecutive key blocks, up to ``_PANEL_KEYS`` keys. A Longformer row is one panel for its band
+   plus one for the global column, so the scores are a few big matmuls, not many small ones.
+3. Per panel: ``S = qs @ k[panel].T`` (BLAS sgemm/dgemm), ``-inf`` where a partial block's tile is
+   False, then per row: new max ``m'``, ``P = exp2(S - m')``, ``l = l * exp2(m - m') + sum(P)``,
+   ``acc = acc * exp2(m - m') + P @ v[panel]``.
+4. ``out = acc / l``, ``lse = (m + log2 l) * ln 2``; a row with no allowed key keeps ``l = 0`` and
+   returns 0 and ``lse = -inf``.
+
+The last block may be shorter than ``block_size``: panels are clipped to ``n_k`` and the query
+block to ``n_q``, so full blocks need no mask; partial tiles are already False outside.
+
+Backward (FlashAttention-2, recomputing ``P = exp2(S - lse2)`` from q, k and the saved lse;
+``lse2 = lse * log2(e)``, ``+inf`` for empty rows so their ``P`` is exactly 0):
+
+- ``delta = rowsum(dO * O) - dlse`` (torch, O(N)); then ``dS = P * (dP - delta)`` with ``dP = dO @ v.T``.
+- dQ pass, one task per query block, panels over its key blocks: ``dQ += dS @ k[panel]``.
+- dK/dV pass, one task per key block (transposed CSR), panels over its query blocks and every
+  query head of its GQA group: ``dV += P.T @ dO[panel]``, ``dK += dS.T @ q[panel]``.
+
+Scheduling: ``prange`` over one worker per thread; workers take tasks from a shared counter
+(an atomic fetch-add: Numba's OpenMP ``prange`` splits iterations statically, which would give
+one thread all the heavy global rows), in heaviest-first order (rows by block count), so the dense
+global rows start first and the light band rows fill in. Each worker allocates its scratch once
+(a panel of scores, its probabilities' twin for dP, accumulators): O(threads x block x panel)
+memory beyond inputs, outputs and gradients, which are all O(N x D).
+
+Precision: float32 and float64 are computed in their own dtype (float32 with a vectorisable
+degree-7 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML); float16 and
+bfloat16 inputs are computed in float32 and returned in the input dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from ..layout import BlockLayout
+
+BLOCK_SIZE = 64
+_PANEL_KEYS = 512  # keys (or queries, in the dK/dV pass) per matmul panel
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+# No 'nnan'/'ninf': -inf marks masked scores and empty rows, and must survive.
+_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def available() -> tuple[bool, str]:
+    return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads"
+
+
+def check(q, k, v, layout: BlockLayout) -> None:
+    """Raise a ValueError if these inputs cannot run on this backend, saying what to do."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cpu":
+            raise ValueError(f"backend='numba' runs on CPU tensors, got {name} on {t.device}; "
+                             f"use backend='triton' for CUDA tensors or move the inputs with .cpu()")
+    if layout.device.type != "cpu":
+        raise ValueError(f"backend='numba' needs a CPU BlockLayout, got one on {layout.device}; use layout.to('cpu')")
+
+
+def attention(q, k, v, layout: BlockLayout, scale: float):
+    """out (B, Hq, Nq, D) in q's dtype, lse (B, Hq, Nq) float32 (float64 for float64 inputs)."""
+    dtype = q.dtype
+    if dtype in _HALF:
+        q, k, v = q.float(), k.float(), v.float()
+    out, lse = numba_attention(q, k, v, *_layout_tensors(layout), layout.block_size, scale)
+    return out.to(dtype), lse
+
+
+def _layout_tensors(layout: BlockLayout) -> list[torch.Tensor]:
+    return [getattr(layout, name) for name in BlockLayout._TENSORS]
+
+
+# ------------------------------------------------------------------------------------------------
+# torch custom ops: autograd, torch.compile and opcheck see the kernels as two opaque ops
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("sparse_attn::numba_attention", mutates_args=())
+def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor, part_idx: torch.Tensor,
+                    part_mask: torch.Tensor, masks: torch.Tensor, full_t_ptr: torch.Tensor,
+                    full_t_idx: torch.Tensor, part_t_ptr: torch.Tensor, part_t_idx: torch.Tensor,
+                    part_t_mask: torch.Tensor, block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward kernel on float32/float64 CPU tensors: (out, lse)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)                                                    # (B, Hq, Nq, D)
+    lse = q.new_empty(q.shape[:3])                                               # (B, Hq, Nq)
+    order = _heaviest_first(full_ptr, part_ptr, q.shape[0], q.shape[1])
+    _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
+             part_idx.numpy(), part_mask.numpy(), masks.numpy(), order, numba.get_num_threads(), block_size, _panel_blocks(block_size),
+             _as(q, scale * _LOG2E), out.numpy(), lse.numpy())
+    return out, lse
+
+
+@numba_attention.register_fake
+def _(q, k, v, *layout_and_args):
+    return torch.empty_like(q), q.new_empty(q.shape[:3])
+
+
+@torch.library.custom_op("sparse_attn::numba_attention_backward", mutates_args=())
+def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             lse: torch.Tensor, delta: torch.Tensor,
+                             full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor,
+                             part_idx: torch.Tensor, part_mask: torch.Tensor, masks: torch.Tensor,
+                             full_t_ptr: torch.Tensor, full_t_idx: torch.Tensor, part_t_ptr: torch.Tensor,
+                             part_t_idx: torch.Tensor, part_t_mask: torch.Tensor, block_size: int,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward kernels: (dq, dk, dv) from dout and delta = rowsum(dout * out) - dlse."""
+    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
+    lse2 = torch.where(torch.isinf(lse), math.inf, lse * _LOG2E).contiguous()  # (B, Hq, Nq) base 2
+    delta = delta.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    panel = _panel_blocks(block_size)
+    row_order = _heaviest_first(full_ptr, part_ptr, batch, heads)
+    _backward_dq(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(), full_ptr.numpy(),
+                 full_idx.numpy(), part_ptr.numpy(), part_idx.numpy(), part_mask.numpy(), masks.numpy(),
+                 row_order, numba.get_num_threads(), block_size, panel, _as(q, scale * _LOG2E), _as(q, scale), dq.numpy())
+    col_order = _heaviest_first(full_t_ptr, part_t_ptr, batch, heads, kv_heads)
+    _backward_dkdv(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(), full_t_ptr.numpy(),
+                   full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(), part_t_mask.numpy(), masks.numpy(),
+                   col_order, numba.get_num_threads(), block_size, panel, _as(q, scale * _LOG2E), _as(q, scale), dk.numpy(), dv.numpy())
+    return dq, dk, dv
+
+
+@numba_attention_backward.register_fake
+def _(dout, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *layout, block_size, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *layout)
+    ctx.block_size, ctx.scale = block_size, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *layout = ctx.saved_tensors
+    delta = (dout * out).sum(-1, dtype=lse.dtype)                                # (B, Hq, Nq)
+    if dlse is not None:
+        delta = delta - dlse
+    dq, dk, dv = numba_attention_backward(dout, q, k, v, lse, delta, *layout, ctx.block_size, ctx.scale)
+    return (dq, dk, dv) + (None,) * (len(layout) + 2)
+
+
+numba_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _as(t: torch.Tensor, x: float):
+    """x as a numpy scalar of t's dtype, so the kernels stay in float32 for float32 inputs."""
+    return np.float32(x) if t.dtype == torch.float32 else np.float64(x)
+
+
+def _panel_blocks(block_size: int) -> int:
+    return max(1, _PANEL_KEYS // block_size)
+
+
+def _heaviest_first(ptr: torch.Tensor, part_ptr: torch.Tensor, batch: int, heads: int,
+                    kv_heads: int | None = None) -> np.ndarray:
+    """Task ids (example, head, block) sorted by block count, heaviest first (stable).
+
+    With ``kv_heads`` the tasks are (example, kv head, block) and a task's cost sums the heads
+    of its group.
+    """
+    counts = np.diff(ptr.numpy(), axis=-1) + np.diff(part_ptr.numpy(), axis=-1)  # (Bl, Hl, n_blocks)
+    counts = np.broadcast_to(counts, (batch, heads, counts.shape[-1]))
+    if kv_heads is not None:
+        counts = counts.reshape(batch, kv_heads, heads // kv_heads, -1).sum(2)
+    return np.argsort(-counts.reshape(-1), kind="stable").astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# Numba building blocks
+# ------------------------------------------------------------------------------------------------
+@intrinsic
+def _fetch_add(typingctx, counter):
+    """counter[0] += 1 atomically; returns the old value (the next task to run)."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", array.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counter), codegen
+
+
+@intrinsic
+def _int_bits_as_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+def _exp2(x):
+    """2 ** x; vectorisable in float32 (no libm call), exactly 0 below 2 ** -126."""
+
+
+_EXP2_COEFFS = tuple(np.float32(_LN2 ** i / math.factorial(i)) for i in range(8))
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = _EXP2_COEFFS
+_F32_MIN_EXP, _HALF_F32, _ZERO_F32 = np.float32(-126.0), np.float32(0.5), np.float32(0.0)
+
+
+@overload(_exp2, fastmath=_FASTMATH)
+def _exp2_impl(x):
+    if x == types.float32:
+        def exp2_f32(x):
+            xc = max(x, _F32_MIN_EXP)                    # finite, so the int conversion is defined
+            n = np.floor(xc + _HALF_F32)                 # x = n + f, |f| <= 1/2
+            f = xc - n
+            p = _C0 + f * (_C1 + f * (_C2 + f * (_C3 + f * (_C4 + f * (_C5 + f * (_C6 + f * _C7))))))
+            scale = _int_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # 2 ** n
+            return p * scale if x >= _F32_MIN_EXP else _ZERO_F32
+        return exp2_f32
+    if x == types.float64:
+        return lambda x: np.exp2(x)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles):
+    """Next run of consecutive blocks from two sorted CSR segments (full ``idx[a:b]`` and
+    partial ``p_idx[pa:pb]``), at most ``max_blocks`` long. ``tiles[i]`` gets the mask tile of
+    the run's i-th block (-1: full). Returns (first block, run length, new a, new pa)."""
+    first = -1
+    count = 0
+    while count < max_blocks and (a < b or pa < pb):
+        take_full = pa >= pb or (a < b and idx[a] < p_idx[pa])
+        block = idx[a] if take_full else p_idx[pa]
+        if count > 0 and block != first + count:
+            break
+        if count == 0:
+            first = block
+        if take_full:
+            tiles[count] = -1
+            a += 1
+        else:
+            tiles[count] = p_tile[pa]
+            pa += 1
+        count += 1
+    return first, count, a, pa
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _mask_panel(s, tiles, count, block_size, masks, transposed):
+    """-inf where a partial block's tile is False. s: (rows, W) scores of the panel's blocks
+    along columns; ``transposed``: s is (cols of one key block, W) with the panel's blocks being
+    query blocks, so tile[i, j] applies to s[j, offset + i]."""
+    rows, width = s.shape
+    for t in range(count):
+        tile_id = tiles[t]
+        if tile_id < 0:
+            continue
+        tile = masks[tile_id]
+        off = t * block_size
+        n = min(block_size, width - off)
+        if transposed:
+            for j in range(rows):
+                for i in range(n):
+                    if not tile[i, j]:
+                        s[j, off + i] = -np.inf
+        else:
+            for i in range(rows):
+                for j in range(n):
+                    if not tile[i, j]:
+                        s[i, off + j] = -np.inf
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _online_softmax(s, m, l, acc):
+    """s (rows, W) base-2 scores -> probabilities relative to the updated running max m;
+    rescales the running sum l and the output accumulator acc (rows, D) accordingly."""
+    rows, width = s.shape
+    for i in range(rows):
+        row = s[i]
+        m_new = m[i]
+        for j in range(width):
+            m_new = max(m_new, row[j])
+        if m_new == -np.inf:                             # nothing allowed yet in this row
+            row[:] = 0
+            continue
+        alpha = _exp2(m[i] - m_new)
+        total = l[i] * 0                                 # a zero of the dtype (l is finite)
+        for j in range(width):
+            p = _exp2(row[j] - m_new)
+            row[j] = p
+            total += p
+        l[i] = l[i] * alpha + total
+        for d in range(acc.shape[1]):
+            acc[i, d] *= alpha
+        m[i] = m_new
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _probabilities(s, lse2, c):
+    """s (rows, W) raw scores -> P = exp2(s * c - lse2[row]); lse2 = +inf gives 0."""
+    rows, width = s.shape
+    for i in range(rows):
+        shift = lse2[i]
+        row = s[i]
+        for j in range(width):
+            row[j] = _exp2(row[j] * c - shift)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _probabilities_t(s, lse2, c):
+    """Transposed twin of ``_probabilities``: s (cols, W) with lse2 indexed by column."""
+    cols, width = s.shape
+    for j in range(cols):
+        row = s[j]
+        for i in range(width):
+            row[i] = _exp2(row[i] * c - lse2[i])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _grad_scores(p, dp, delta):
+    """p <- dS = P * (dP - delta[row]). p, dp (rows, W)."""
+    rows, width = p.shape
+    for i in range(rows):
+        for j in range(width):
+            p[i, j] *= dp[i, j] - delta[i]
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _grad_scores_t(p, dp, delta):
+    """Transposed twin of ``_grad_scores``: delta indexed by column."""
+    cols, width = p.shape
+    for j in range(cols):
+        for i in range(width):
+            p[j, i] *= dp[j, i] - delta[i]
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _panel(buffer, rows, width):
+    """A (rows, width) C-contiguous view of a flat scratch buffer."""
+    return buffer[:rows * width].reshape((rows, width))
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _add(acc, x):
+    rows, cols = x.shape
+    for i in range(rows):
+        for j in range(cols):
+            acc[i, j] += x[i, j]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+# ------------------------------------------------------------------------------------------------
+@njit(cache=True, fastmath=_FASTMATH)
+def _forward_row(qs, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
+                 scores, tmp, acc, m, l, tiles, out, lse):
+    """One query block: qs (rows, D) pre-scaled queries; k, v (Nk, D) of its kv head; writes
+    out (rows, D) and lse (rows,)."""
+    rows, dim = qs.shape
+    m[:rows] = -np.inf
+    l[:rows] = 0
+    acc[:rows] = 0
+    while a < b or pa < pb:
+        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
+        j0 = first * block_size
+        width = min(j0 + count * block_size, n_k) - j0
+        s = _panel(scores, rows, width)                                          # (rows, W)
+        np.dot(qs, k[j0:j0 + width].T, s)
+        _mask_panel(s, tiles, count, block_size, masks, False)
+        _online_softmax(s, m, l, acc[:rows])
+        pv = _panel(tmp, rows, dim)                                              # (rows, D)
+        np.dot(s, v[j0:j0 + width], pv)
+        _add(acc[:rows], pv)
+    for i in range(rows):
+        if l[i] > 0:
+            inv = 1 / l[i]
+            for d in range(dim):
+                out[i, d] = acc[i, d] * inv
+            lse[i] = (m[i] + np.log2(l[i])) * _LN2
+        else:                                                                    # no allowed key
+            out[i] = 0
+            lse[i] = -np.inf
+
+
+@njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, order, n_workers, block_size,
+             max_blocks, qscale, out, lse):
+    batch, heads, n_q, dim = q.shape
+    group = heads // k.shape[1]
+    n_k = k.shape[2]
+    n_qb = full_ptr.shape[2] - 1
+    shared_b, shared_h = full_ptr.shape[0] == 1, full_ptr.shape[1] == 1
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n_workers):
+        scores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        tmp = np.empty(block_size * dim, q.dtype)
+        qs = np.empty((block_size, dim), q.dtype)
+        acc = np.empty((block_size, dim), q.dtype)
+        m = np.empty(block_size, q.dtype)
+        l = np.empty(block_size, q.dtype)
+        tiles = np.empty(max_blocks, np.int64)
+        while True:
+            t = _fetch_add(counter)
+            if t >= order.size:
+                break
+            task = order[t]
+            b, h, r = task // (heads * n_qb), task // n_qb % heads, task % n_qb
+            lb, lh = 0 if shared_b else b, 0 if shared_h else h
+            i0 = r * block_size
+            rows = min(block_size, n_q - i0)
+            for i in range(rows):
+                for d in range(dim):
+                    qs[i, d] = q[b, h, i0 + i, d] * qscale
+            _forward_row(qs[:rows], k[b, h // group], v[b, h // group], n_k,
+                         full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
+                         part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
+                         block_size, max_blocks, scores, tmp, acc, m, l, tiles,
+                         out[b, h, i0:i0 + rows], lse[b, h, i0:i0 + rows])
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+# ------------------------------------------------------------------------------------------------
+@njit(cache=True, fastmath=_FASTMATH)
+def _dq_row(q, do, lse2, delta, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
+            qscale, scale, scores, dscores, tmp, acc, tiles, dq):
+    """dq (rows, D) of one query block from its q, do (rows, D) and lse2, delta (rows,)."""
+    rows, dim = q.shape
+    acc[:rows] = 0
+    while a < b or pa < pb:
+        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
+        j0 = first * block_size
+        width = min(j0 + count * block_size, n_k) - j0
+        s = _panel(scores, rows, width)                                          # (rows, W)
+        np.dot(q, k[j0:j0 + width].T, s)
+        _mask_panel(s, tiles, count, block_size, masks, False)
+        _probabilities(s, lse2, qscale)
+        dp = _panel(dscores, rows, width)                                        # (rows, W)
+        np.dot(do, v[j0:j0 + width].T, dp)
+        _grad_scores(s, dp, delta)
+        ds_k = _panel(tmp, rows, dim)                                            # (rows, D)
+        np.dot(s, k[j0:j0 + width], ds_k)
+        _add(acc[:rows], ds_k)
+    for i in range(rows):
+        for d in range(dim):
+            dq[i, d] = acc[i, d] * scale
+
+
+@njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _backward_dq(q, k, v, dout, lse2, delta, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, order,
+                 n_workers, block_size, max_blocks, qscale, scale, dq):
+    batch, heads, n_q, dim = q.shape
+    group = heads // k.shape[1]
+    n_k = k.shape[2]
+    n_qb = full_ptr.shape[2] - 1
+    shared_b, shared_h = full_ptr.shape[0] == 1, full_ptr.shape[1] == 1
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n_workers):
+        scores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        tmp = np.empty(block_size * dim, q.dtype)
+        acc = np.empty((block_size, dim), q.dtype)
+        tiles = np.empty(max_blocks, np.int64)
+        while True:
+            t = _fetch_add(counter)
+            if t >= order.size:
+                break
+            task = order[t]
+            b, h, r = task // (heads * n_qb), task // n_qb % heads, task % n_qb
+            lb, lh = 0 if shared_b else b, 0 if shared_h else h
+            i0 = r * block_size
+            rows = min(block_size, n_q - i0)
+            _dq_row(q[b, h, i0:i0 + rows], dout[b, h, i0:i0 + rows], lse2[b, h, i0:i0 + rows], delta[b, h, i0:i0 + rows],
+                    k[b, h // group], v[b, h // group], n_k,
+                    full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
+                    part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
+                    block_size, max_blocks, qscale, scale, scores, dscores, tmp, acc, tiles, dq[b, h, i0:i0 + rows])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _dkdv_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
+               qscale, scores, dscores, tmp, dk_acc, dv_acc, tiles):
+    """Adds one query head's contribution to the key block's dk_acc, dv_acc (cols, D).
+    kc, vc (cols, D); q, do (Nq, D) and lse2, delta (Nq,) of that query head."""
+    cols, dim = kc.shape
+    while a < b or pa < pb:
+        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
+        i0 = first * block_size
+        width = min(i0 + count * block_size, n_q) - i0
+        st = _panel(scores, cols, width)                                         # (cols, W) = S.T
+        np.dot(kc, q[i0:i0 + width].T, st)
+        _mask_panel(st, tiles, count, block_size, masks, True)
+        _probabilities_t(st, lse2[i0:i0 + width], qscale)
+        acc = _panel(tmp, cols, dim)                                             # (cols, D)
+        np.dot(st, do[i0:i0 + width], acc)
+        _add(dv_acc, acc)
+        dpt = _panel(dscores, cols, width)                                       # (cols, W) = dP.T
+        np.dot(vc, do[i0:i0 + width].T, dpt)
+        _grad_scores_t(st, dpt, delta[i0:i0 + width])
+        np.dot(st, q[i0:i0 + width], acc)
+        _add(dk_acc, acc)
+
+
+@njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _backward_dkdv(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
+                   order, n_workers, block_size, max_blocks, qscale, scale, dk, dv):
+    batch, heads, n_q, dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    n_kb = full_t_ptr.shape[2] - 1
+    shared_b, shared_h = full_t_ptr.shape[0] == 1, full_t_ptr.shape[1] == 1
+    counter = np.zeros(1, np.int64)
+    for _ in prange(n_workers):
+        scores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        tmp = np.empty(block_size * dim, q.dtype)
+        dk_acc = np.empty((block_size, dim), q.dtype)
+        dv_acc = np.empty((block_size, dim), q.dtype)
+        tiles = np.empty(max_blocks, np.int64)
+        while True:
+            t = _fetch_add(counter)
+            if t >= order.size:
+                break
+            task = order[t]
+            b, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
+            j0 = c * block_size
+            cols = min(block_size, n_k - j0)
+            dk_acc[:cols] = 0
+            dv_acc[:cols] = 0
+            lb = 0 if shared_b else b
+            for h in range(g * group, (g + 1) * group):
+                lh = 0 if shared_h else h
+                _dkdv_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h], delta[b, h],
+                           n_q, full_t_idx, full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1],
+                           part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
+                           block_size, max_blocks, qscale, scores, dscores, tmp, dk_acc[:cols], dv_acc[:cols], tiles)
+            for j in range(cols):
+                for d in range(dim):
+                    dk[b, g, j0 + j, d] = dk_acc[j, d] * scale
+                    dv[b, g, j0 + j, d] = dv_acc[j, d]
