@@ -197,3 +197,19 @@ def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, 
     assert layout.masks.shape[0] <= 64
     assert peak < 400e6, f"layout build peaked at {peak / 1e6:.0f} MB"
     assert elapsed < 30  # generous: a sanity bound on a loaded CI machine, not a performance target
+
+
+def _has_random(pattern) -> bool:
+    return isinstance(pattern, sa.Random) or any(_has_random(p) for p in getattr(pattern, "patterns", ()))
+
+
+@settings(max_examples=80, deadline=None)
+@given(a=patterns.filter(lambda p: not _has_random(p)), b=patterns.filter(lambda p: not _has_random(p)),
+       n_q=st.integers(1, 40), n_k=st.integers(1, 40))
+def test_union_and_intersection_laws(a, b, n_q, n_k):
+    """Without Random (whose blocks depend on their union siblings), | and & are mask or / and."""
+    ma, mb = a.mask(n_q, n_k), b.mask(n_q, n_k)
+    assert torch.equal((a | b).mask(n_q, n_k), ma | mb)
+    assert torch.equal((a & b).mask(n_q, n_k), ma & mb)
+    assert torch.equal((b | a).mask(n_q, n_k), (a | b).mask(n_q, n_k))
+    assert torch.equal((a & (a | b)).mask(n_q, n_k), ma)
