@@ -9,8 +9,9 @@ from .pattern import (Causal, Dense, Dilated, Global, Intersection, Local, Patte
                       Union)
 from .layout import BlockLayout
 from .api import sparse_attention
+from .weights import attention_weights
 from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
 
 __all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Union",
-           "Intersection", "PerHead", "BlockLayout", "sparse_attention", "longformer", "bigbird",
+           "Intersection", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
            "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern"]

@@ -1,0 +1,115 @@
+"""Attention probabilities of the allowed pairs only, as one sparse matrix per (example, head).
+
+>>> import torch, sparse_attn as sa
+>>> q = k = torch.randn(1, 2, 300, 16)
+>>> w = sa.attention_weights(q, k, sa.Local(4) | sa.Global(first=1))
+>>> w[0][1].shape, w[0][1].nnz                   # (example 0, head 1): scipy.sparse.csr_array
+((300, 300), 3270)
+>>> bool(abs(w[0][1].sum(axis=1) - 1).max() < 1e-5)
+True
+
+Scores are computed for a few query blocks at a time (as the reference backend does), so memory is
+O(rows_per_chunk x block_size x n_k) plus the result, which holds exactly the allowed pairs: nothing
+N x N is ever allocated for a sparse pattern.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import scipy.sparse
+import torch
+
+from .api import _check_call_mask, _check_layout
+from .layout import BlockLayout
+from .pattern import Pattern
+
+_SCORES_PER_CHUNK = 1 << 22  # score elements materialised at once
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | BlockLayout, *, causal: bool = False,
+                      key_padding_mask: torch.Tensor | None = None, global_mask: torch.Tensor | None = None,
+                      scale: float | None = None, block_size: int = 64) -> list[list[scipy.sparse.csr_array]]:
+    """Softmax probabilities that ``sparse_attention`` would apply, for the allowed pairs only.
+
+    Args:
+        q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention).
+        pattern: a Pattern, or a prebuilt BlockLayout (then causal and the masks are already in it).
+        causal, key_padding_mask, global_mask, scale: as in ``sparse_attention``.
+        block_size: the block size of the layout built from a Pattern (it does not change the result).
+
+    Returns:
+        A nested list ``weights[b][h]`` of ``scipy.sparse.csr_array`` of shape (Nq, Nk) and dtype
+        float64 (float32 for float16/bfloat16/float32 inputs). Its stored entries are exactly the
+        allowed pairs (explicit zeros where a probability underflows); every row sums to 1, and a
+        row with no allowed key is empty (all zero).
+    """
+    _check_qk(q, k)
+    batch, heads, n_q, head_dim = q.shape
+    n_k = k.shape[2]
+    if isinstance(pattern, BlockLayout):
+        if causal or key_padding_mask is not None or global_mask is not None:
+            raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
+                             "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
+                             "the Pattern instead")
+        layout = pattern
+        _check_layout(layout, batch, heads, n_q, n_k)
+    elif isinstance(pattern, Pattern):
+        for name, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
+            _check_call_mask(name, mask, batch, n)
+        layout = pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal,
+                                global_mask=global_mask, key_padding_mask=key_padding_mask)
+    else:
+        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k = q.detach().to(compute), k.detach().to(compute)
+    group = heads // k.shape[1]
+    layout = layout.to(q.device)
+    bs = layout.block_size
+    rows_per_chunk = max(1, _SCORES_PER_CHUNK // (bs * n_k))
+    parts = [[[] for _ in range(heads)] for _ in range(batch)]      # per (b, h): (row counts, cols, values)
+    for r0 in range(0, layout.n_q_blocks, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, layout.n_q_blocks)
+        mask = layout.row_mask(r0, r1)                              # (Bl, Hl, rows, Nk)
+        for b in range(batch):
+            for h in range(heads):
+                allowed = mask[b % mask.shape[0], h % mask.shape[1]]                # (rows, Nk)
+                q_rows = q[b, h, r0 * bs:min(r1 * bs, n_q)]                          # (rows, D)
+                scores = (q_rows @ k[b, h // group].T) * scale                       # (rows, Nk)
+                probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+                rows, cols = allowed.nonzero(as_tuple=True)
+                counts = allowed.sum(-1)
+                parts[b][h].append((counts.cpu().numpy(), cols.cpu().numpy(), probs[rows, cols].cpu().numpy()))
+    return [[_csr(chunks, n_q, n_k) for chunks in per_head] for per_head in parts]
+
+
+def _csr(chunks, n_q: int, n_k: int) -> scipy.sparse.csr_array:
+    counts, cols, values = (np.concatenate(column) for column in zip(*chunks))
+    indptr = np.zeros(n_q + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return scipy.sparse.csr_array((values, cols.astype(np.int64), indptr), shape=(n_q, n_k))
+
+
+def _check_qk(q, k) -> None:
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)}; "
+                             f"for (batch, seq_len, heads, head_dim) inputs use .transpose(1, 2)")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must have batch {q.shape[0]} and head_dim {q.shape[3]} like q, got shape {tuple(k.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"the number of k heads ({k.shape[1]}) must divide the number of q heads ({q.shape[1]}) "
+                         f"for grouped-query attention")
+    if min(q.shape[0], q.shape[2], k.shape[2], q.shape[3]) == 0:
+        raise ValueError(f"q and k need batch, seq_len and head_dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
