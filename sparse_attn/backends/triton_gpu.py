@@ -37,6 +37,7 @@ backward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -336,10 +337,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _stages(q: torch.Tensor, backward: bool) -> int:
-    """Software-pipelining depth of the key/query-block loops: deep enough to hide load latency,
-    shallow enough that the buffers fit in shared memory (fp32 tiles are twice as large)."""
+    """Software-pipelining depth of the block loops: deep enough to hide load latency, shallow enough
+    that the buffers fit in shared memory (fp32 tiles are twice as large; sm_86/89 have ~100 KB)."""
     stages = 2 if backward else 3
-    return stages - 1 if q.dtype == torch.float32 and q.shape[-1] > 64 else stages
+    big_tiles = q.shape[-1] > 64 and (q.dtype == torch.float32 or _shared_memory(q.device) < 128 * 1024)
+    return stages - 1 if big_tiles else stages
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory a block may use on ``device`` (bytes); unlimited for the interpreter."""
+    if device.type != "cuda" or _INTERPRETED:
+        return 1 << 30
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 1 << 30)
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
