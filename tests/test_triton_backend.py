@@ -303,6 +303,18 @@ def test_bfloat16_is_refused_in_the_interpreter():
         sparse_attention(q, k, v, sa.Local(4), backend="triton")
 
 
+def test_missing_triton_says_pip_install_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from sparse_attn import backends\n"
+            "print(backends.availability('triton')[1])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "pip install triton" in result.stdout, result.stderr[-2000:]
+
+
 def test_available_reports_the_mode():
     usable, reason = triton_gpu.available()
     assert usable
