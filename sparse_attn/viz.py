@@ -1,0 +1,181 @@
+"""Figures: block layouts, attention heatmaps and benchmark curves (matplotlib, imported lazily).
+
+>>> import sparse_attn as sa
+>>> from sparse_attn import viz
+>>> fig = viz.plot_layout(sa.preset("bigbird-itc").layout(4096, heads=12), heads=[0, 1])
+>>> fig.savefig("bigbird.png")                                             # doctest: +SKIP
+
+Install with ``pip install "sparse-attn[viz]"``. Every function returns a matplotlib ``Figure``
+(the Agg backend is used when no backend has been chosen, so it works without a display).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import BlockLayout
+
+_GRID_PIXELS = 512        # block grids larger than this are binned (a pixel shows its most-computed block)
+_LABELLED_TOKENS = 48     # plot_attention writes token labels up to this many tokens
+_COLORS = {"skipped": "#ffffff", "partial": "#f4a259", "full": "#1d4e89"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("sparse_attn.viz needs matplotlib: pip install 'sparse-attn[viz]'") from None
+    if "matplotlib.pyplot" not in __import__("sys").modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def block_states(layout: BlockLayout, batch: int = 0, head: int = 0, max_pixels: int = _GRID_PIXELS) -> np.ndarray:
+    """Block grid of one (example, head): 0 skipped, 1 partial, 2 full, binned to at most ``max_pixels`` a side.
+
+    >>> import sparse_attn as sa
+    >>> block_states(sa.Local(64).layout(256, block_size=64)).tolist()
+    [[2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1], [0, 0, 1, 2]]
+    """
+    blocks = layout.to_scipy(batch, head).tocoo()
+    rows, cols = blocks.row, blocks.col
+    area = layout._block_areas(rows, cols)
+    state = np.where(blocks.data == area, 2, 1).astype(np.int8)
+    factor = max(1, -(-max(layout.n_q_blocks, layout.n_k_blocks) // max_pixels))
+    grid = np.zeros((-(-layout.n_q_blocks // factor), -(-layout.n_k_blocks // factor)), dtype=np.int8)
+    np.maximum.at(grid, (rows // factor, cols // factor), state)
+    return grid
+
+
+def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch: int = 0, title: str | None = None):
+    """One column per head: the block grid (full and partial blocks in two colours) above a token-level zoom.
+
+    Args:
+        layout: a BlockLayout (``pattern.layout(n, heads=..., block_size=...)``).
+        heads: the heads to draw, default ``range(min(heads, 4))``.
+        zoom: side of the top-left corner drawn at token level, default ``4 * block_size`` (at most N).
+        batch: the example, for layouts built with per-example masks.
+    """
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    heads = list(range(min(layout.heads, 4))) if heads is None else list(heads)
+    for h in heads:
+        layout._check_example_head(batch, h)
+    zoom = min(zoom or 4 * layout.block_size, layout.n_q, layout.n_k)
+    figure, axes = plt.subplots(2, len(heads), figsize=(3.2 * len(heads) + 0.6, 6.8), squeeze=False,
+                                gridspec_kw={"height_ratios": [1, 1]})
+    colours = ListedColormap([_COLORS["skipped"], _COLORS["partial"], _COLORS["full"]])
+    zoom_blocks = -(-zoom // layout.block_size)
+    for column, h in enumerate(heads):
+        grid = block_states(layout, batch, h)
+        top = axes[0, column]
+        factor = -(-layout.n_q_blocks // grid.shape[0])
+        top.imshow(grid, cmap=colours, vmin=0, vmax=2, interpolation="nearest",
+                   extent=(0, layout.n_k, layout.n_q, 0))
+        top.set_title(f"head {h}: blocks of {layout.block_size}" + (f" (binned {factor}x)" if factor > 1 else ""),
+                      fontsize=9)
+        top.set_xlabel("key position", fontsize=8)
+        top.set_ylabel("query position", fontsize=8)
+        top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
+        mask = layout.row_mask(0, zoom_blocks)[batch % layout.batch, 0 if layout.shared_heads else h]
+        bottom = axes[1, column]
+        bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]),
+                      interpolation="nearest", extent=(0, zoom, zoom, 0))
+        for edge in range(layout.block_size, zoom, layout.block_size):
+            bottom.axhline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
+            bottom.axvline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
+        bottom.set_title(f"head {h}: tokens 0..{zoom - 1} (red box above)", fontsize=9)
+        bottom.set_xlabel("key position", fontsize=8)
+        bottom.set_ylabel("query position", fontsize=8)
+        for ax in (top, bottom):
+            ax.tick_params(labelsize=7)
+    figure.legend(handles=[Patch(facecolor=_COLORS["full"], label="full block (no mask)"),
+                           Patch(facecolor=_COLORS["partial"], label="partial block (token mask)"),
+                           Patch(facecolor="#333333", label="allowed pair")],
+                  loc="lower center", ncol=3, fontsize=8, frameon=False)
+    figure.suptitle(title or f"{layout.pattern!r}, N={layout.n_q:,}, density {layout.density:.2%}", fontsize=10)
+    figure.tight_layout(rect=(0, 0.04, 1, 0.97))
+    return figure
+
+
+def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
+    """Heatmap of one sparse attention matrix (from ``sa.attention_weights(...)[b][h]``).
+
+    Short inputs (up to 48 tokens) are drawn as a grid with token labels on both axes; longer
+    ones as a scatter of the allowed pairs, coloured by probability (never densified).
+
+    >>> import torch, sparse_attn as sa
+    >>> w = sa.attention_weights(torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8), sa.Local(2))
+    >>> fig = plot_attention(w[0][0], tokens="the cat sat on the mat and then it went to sleep".split())
+    """
+    plt = _pyplot()
+    coo = weights.tocoo()
+    n_q, n_k = coo.shape
+    if tokens is not None and len(tokens) != n_k:
+        raise ValueError(f"tokens must have one label per key ({n_k}), got {len(tokens)}")
+    figure = ax.figure if ax is not None else plt.figure(figsize=(6, 5.2))
+    ax = ax if ax is not None else figure.add_subplot()
+    if max(n_q, n_k) <= _LABELLED_TOKENS:
+        image = np.full((n_q, n_k), np.nan)
+        image[coo.row, coo.col] = coo.data
+        shown = ax.imshow(image, cmap="viridis", vmin=0, interpolation="nearest")
+        labels = tokens if tokens is not None else [str(j) for j in range(n_k)]
+        ax.set_xticks(range(n_k), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(n_q), labels[n_k - n_q:] if tokens is not None else range(n_q), fontsize=7)
+    else:
+        order = np.argsort(coo.data)
+        shown = ax.scatter(coo.col[order], coo.row[order], c=coo.data[order], s=max(0.05, 4000 / max(coo.nnz, 1)),
+                           marker="s", linewidths=0, cmap="viridis", vmin=0)
+        ax.set_xlim(-0.5, n_k - 0.5)
+        ax.set_ylim(n_q - 0.5, -0.5)
+        ax.set_aspect("equal")
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    ax.set_title(title or f"attention probabilities ({coo.nnz:,} allowed pairs; blank = not allowed)", fontsize=9)
+    figure.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
+    return figure
+
+
+def plot_bench(results: dict, metric: str = "time"):
+    """Time or memory versus N, log-log, one line per implementation, one panel per pattern.
+
+    ``results`` is what ``sparse_attn.bench.sweep`` returns (or its ``results.json``). Points that
+    ran out of memory or time are marked with an ``x`` at the last length that fitted.
+    """
+    if metric not in ("time", "memory"):
+        raise ValueError(f"metric must be 'time' or 'memory', got {metric!r}")
+    plt = _pyplot()
+    key, label = {"time": ("time_s", "time per call (s)"), "memory": ("memory_mb", "peak memory (MB)")}[metric]
+    labels = list(results["patterns"])
+    figure, axes = plt.subplots(1, len(labels), figsize=(5.6 * len(labels), 4.4), squeeze=False)
+    markers = "osD^v<>p"
+    for ax, pattern in zip(axes[0], labels):
+        for index, name in enumerate(results["implementations"]):
+            points = sorted((p for p in results["points"] if p["pattern_label"] == pattern
+                             and p["implementation"] == name), key=lambda p: p["n"])
+            done = [p for p in points if p["status"] == "ok"]
+            if not done:
+                continue
+            line, = ax.plot([p["n"] for p in done], [max(p[key], 1e-3) for p in done], marker=markers[index % 8],
+                            markersize=4, label=name)
+            failed = next((p for p in points if p["status"] in ("oom", "timeout")), None)
+            if failed is not None:
+                ax.plot([failed["n"]], [max(done[-1][key], 1e-3)], marker="x", markersize=9, color=line.get_color())
+                ax.annotate(failed["status"], (failed["n"], max(done[-1][key], 1e-3)), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(label)
+        ax.set_title(f"{pattern}: {results['patterns'][pattern]}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    config = results["config"]
+    figure.suptitle(f"{metric} vs N: B={config['batch']} H={config['heads']} D={config['head_dim']} "
+                    f"{config['dtype']} {config['device']}, {'fwd+bwd' if config['backward'] else 'forward'}",
+                    fontsize=10)
+    figure.tight_layout()
+    return figure
