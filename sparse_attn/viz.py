@@ -148,7 +148,7 @@ def plot_bench(results: dict, metric: str = "time"):
     if metric not in ("time", "memory"):
         raise ValueError(f"metric must be 'time' or 'memory', got {metric!r}")
     plt = _pyplot()
-    key, label = {"time": ("time_s", "time per call (s)"), "memory": ("memory_mb", "peak memory (MB)")}[metric]
+    key, label = {"time": ("time_s", "time per call (s)"), "memory": ("memory_mb", "peak memory beyond q, k, v (MB)")}[metric]
     labels = list(results["patterns"])
     figure, axes = plt.subplots(1, len(labels), figsize=(5.6 * len(labels), 4.4), squeeze=False)
     markers = "osD^v<>p"

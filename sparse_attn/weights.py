@@ -24,7 +24,7 @@ from .api import _check_call_mask, _check_layout
 from .layout import BlockLayout
 from .pattern import Pattern
 
-_SCORES_PER_CHUNK = 1 << 22  # score elements materialised at once
+_SCORES_PER_CHUNK = 1 << 24  # score elements materialised at once (as in the reference backend)
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | BlockLayout, *, causal: bool = False,
