@@ -48,7 +48,12 @@ bfloat16 inputs are computed in float32 and returned in the input dtype.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import glob
 import math
+import os
 
 import numba
 import numpy as np
@@ -95,6 +100,34 @@ def _layout_tensors(layout: BlockLayout) -> list[torch.Tensor]:
     return [getattr(layout, name) for name in BlockLayout._TENSORS]
 
 
+@functools.cache
+def _scipy_openblas():
+    """scipy's OpenBLAS (the BLAS Numba's np.dot calls), or None where scipy uses another BLAS."""
+    import scipy
+
+    for path in glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*")):
+        lib = ctypes.CDLL(path)
+        if hasattr(lib, "scipy_openblas_set_num_threads") and hasattr(lib, "scipy_openblas_get_num_threads"):
+            return lib
+    return None
+
+
+@contextlib.contextmanager
+def _single_threaded_blas():
+    """The kernels call BLAS from every worker thread: a BLAS that also threads each call would
+    oversubscribe the cores (and OpenBLAS warns about OpenMP loops), so it runs on one thread."""
+    lib = _scipy_openblas()
+    if lib is None:
+        yield
+        return
+    previous = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.scipy_openblas_set_num_threads(previous)
+
+
 # ------------------------------------------------------------------------------------------------
 # torch custom ops: autograd, torch.compile and opcheck see the kernels as two opaque ops
 # ------------------------------------------------------------------------------------------------
@@ -109,9 +142,10 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)                                                    # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3])                                               # (B, Hq, Nq)
     order = _heaviest_first(full_ptr, part_ptr, q.shape[0], q.shape[1])
-    _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
-             part_idx.numpy(), part_mask.numpy(), masks.numpy(), order, numba.get_num_threads(), block_size, _panel_blocks(block_size),
-             _as(q, scale * _LOG2E), out.numpy(), lse.numpy())
+    with _single_threaded_blas():
+        _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
+                 part_idx.numpy(), part_mask.numpy(), masks.numpy(), order, numba.get_num_threads(), block_size,
+                 _panel_blocks(block_size), _as(q, scale * _LOG2E), out.numpy(), lse.numpy())
     return out, lse
 
 
@@ -136,13 +170,16 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
     panel = _panel_blocks(block_size)
     row_order = _heaviest_first(full_ptr, part_ptr, batch, heads)
-    _backward_dq(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(), full_ptr.numpy(),
-                 full_idx.numpy(), part_ptr.numpy(), part_idx.numpy(), part_mask.numpy(), masks.numpy(),
-                 row_order, numba.get_num_threads(), block_size, panel, _as(q, scale * _LOG2E), _as(q, scale), dq.numpy())
     col_order = _heaviest_first(full_t_ptr, part_t_ptr, batch, heads, kv_heads)
-    _backward_dkdv(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(), full_t_ptr.numpy(),
-                   full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(), part_t_mask.numpy(), masks.numpy(),
-                   col_order, numba.get_num_threads(), block_size, panel, _as(q, scale * _LOG2E), _as(q, scale), dk.numpy(), dv.numpy())
+    workers, qscale, scale = numba.get_num_threads(), _as(q, scale * _LOG2E), _as(q, scale)
+    q_, k_, v_, do_, lse2_, delta_ = (t.numpy() for t in (q, k, v, dout, lse2, delta))
+    with _single_threaded_blas():
+        _backward_dq(q_, k_, v_, do_, lse2_, delta_, full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
+                     part_idx.numpy(), part_mask.numpy(), masks.numpy(), row_order, workers, block_size, panel,
+                     qscale, scale, dq.numpy())
+        _backward_dkdv(q_, k_, v_, do_, lse2_, delta_, full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(),
+                       part_t_idx.numpy(), part_t_mask.numpy(), masks.numpy(), col_order, workers, block_size, panel,
+                       qscale, scale, dk.numpy(), dv.numpy())
     return dq, dk, dv
 
 
@@ -276,13 +313,21 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
         if transposed:
             for j in range(rows):
                 for i in range(n):
-                    if not tile[i, j]:
-                        s[j, off + i] = -np.inf
+                    s[j, off + i] = s[j, off + i] if tile[i, j] else -np.inf
         else:
             for i in range(rows):
                 for j in range(n):
-                    if not tile[i, j]:
-                        s[i, off + j] = -np.inf
+                    s[i, off + j] = s[i, off + j] if tile[i, j] else -np.inf
+
+
+@njit(cache=True, fastmath=_FASTMATH | {"nnan"})
+def _row_max(s, i, start):
+    """max(start, s[i, :]); 'nnan' lets LLVM vectorise the reduction (scores are never NaN)."""
+    best = start
+    for j in range(s.shape[1]):
+        x = s[i, j]
+        best = x if x > best else best
+    return best
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -291,18 +336,15 @@ def _online_softmax(s, m, l, acc):
     rescales the running sum l and the output accumulator acc (rows, D) accordingly."""
     rows, width = s.shape
     for i in range(rows):
-        row = s[i]
-        m_new = m[i]
-        for j in range(width):
-            m_new = max(m_new, row[j])
+        m_new = _row_max(s, i, m[i])
         if m_new == -np.inf:                             # nothing allowed yet in this row
-            row[:] = 0
+            s[i] = 0
             continue
         alpha = _exp2(m[i] - m_new)
-        total = l[i] * 0                                 # a zero of the dtype (l is finite)
+        total = l[i] - l[i]                              # a zero of the dtype (l is finite)
         for j in range(width):
-            p = _exp2(row[j] - m_new)
-            row[j] = p
+            p = _exp2(s[i, j] - m_new)
+            s[i, j] = p
             total += p
         l[i] = l[i] * alpha + total
         for d in range(acc.shape[1]):
@@ -316,9 +358,8 @@ def _probabilities(s, lse2, c):
     rows, width = s.shape
     for i in range(rows):
         shift = lse2[i]
-        row = s[i]
         for j in range(width):
-            row[j] = _exp2(row[j] * c - shift)
+            s[i, j] = _exp2(s[i, j] * c - shift)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -326,9 +367,8 @@ def _probabilities_t(s, lse2, c):
     """Transposed twin of ``_probabilities``: s (cols, W) with lse2 indexed by column."""
     cols, width = s.shape
     for j in range(cols):
-        row = s[j]
         for i in range(width):
-            row[i] = _exp2(row[i] * c - lse2[i])
+            s[j, i] = _exp2(s[j, i] * c - lse2[i])
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -336,8 +376,9 @@ def _grad_scores(p, dp, delta):
     """p <- dS = P * (dP - delta[row]). p, dp (rows, W)."""
     rows, width = p.shape
     for i in range(rows):
+        shift = delta[i]
         for j in range(width):
-            p[i, j] *= dp[i, j] - delta[i]
+            p[i, j] *= dp[i, j] - shift
 
 
 @njit(cache=True, fastmath=_FASTMATH)

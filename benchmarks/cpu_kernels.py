@@ -1,0 +1,280 @@
+"""CPU kernels: backend="numba" against FlexAttention (same blocks), the reference and dense SDPA.
+
+    python benchmarks/cpu_kernels.py [--quick] [--n 4096 16384 65536] [--repeats 5] [--no-scale]
+                                     [--out benchmarks/results]
+
+B=1, H=8, D=64, float32, pattern ``Local(256) | Global(first=16)``. For every N it times, in one
+process and interleaved (repeat r runs every implementation once before repeat r+1), the forward
+and the forward+backward of
+
+- ``numba``: ``sparse_attention(..., backend="numba")`` with a prebuilt block-64 ``BlockLayout``;
+- ``flex-64`` / ``flex-128``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()`` of
+  the same pattern at block 64 / 128 (forward only: FlexAttention has no CPU backward in torch 2.13);
+- ``reference``: ``backend="reference"`` (torch, chunked dense rows);
+- ``sdpa-dense``: ``scaled_dot_product_attention`` with no mask, the cost sparse attention avoids;
+
+plus ``torch.mm`` of 4096^3 float32 (the machine's matmul rate), in the same rounds. Times are
+medians. Throughput is GFLOP/s on computed blocks, ``layout.flops(D)`` for the forward (3.5x that
+for forward+backward). The scale points (forward+backward at N=262,144 and forward at N=1,048,576)
+run each in a fresh subprocess that reports time and peak resident memory.
+Writes ``cpu_kernels.json`` and ``cpu_kernels.md`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numba
+import torch
+import torch.nn.functional as F
+
+import sparse_attn as sa
+from sparse_attn.api import sparse_attention
+
+BATCH, HEADS, DIM = 1, 8, 64
+PATTERN = sa.Local(256) | sa.Global(first=16)
+PATTERN_NAME = "Local(256) | Global(first=16)"
+SLOW_FLOPS = {"reference": 1e11, "sdpa-dense": 1e12}  # skip above these dense FLOPs (minutes per call here)
+SCALE_POINTS = ((262_144, True), (1_048_576, False))
+
+
+def _inputs(n: int, grad: bool):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(BATCH, HEADS, n, DIM, generator=gen).requires_grad_(grad) for _ in range(3)]  # (B, H, N, D)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _runner(name: str, n: int):
+    """(forward, forward+backward, FLOPs of one forward, skip reason or None) for one implementation."""
+    q, k, v = _inputs(n, grad=True)
+    dense_flops = 4 * BATCH * HEADS * n * n * DIM
+    if name == "numba" or name == "reference":
+        layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+        flops = layout.flops(DIM) * BATCH
+        if name == "reference" and dense_flops > SLOW_FLOPS[name]:
+            return None, None, flops, f"computes dense rows: {dense_flops / 1e12:.1f} TFLOP per forward"
+        attend = lambda: sparse_attention(q, k, v, layout, backend=name)  # noqa: E731
+    elif name.startswith("flex"):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        block = int(name.split("-")[1])
+        layout = PATTERN.layout(n, n, heads=HEADS, block_size=block)
+        block_mask = layout.to_block_mask()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        flops = layout.flops(DIM) * BATCH
+        q, k, v = (t.detach() for t in (q, k, v))  # FlexAttention refuses inputs that require grad on CPU
+
+        def forward():
+            compiled(q, k, v, block_mask=block_mask)
+
+        return forward, None, flops, None
+    elif name == "sdpa-dense":
+        flops = dense_flops
+        if dense_flops > SLOW_FLOPS[name]:
+            return None, None, flops, f"dense O(N^2): {dense_flops / 1e12:.1f} TFLOP per forward"
+        attend = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    else:
+        raise ValueError(f"unknown implementation {name!r}")
+
+    def forward():
+        with torch.no_grad():
+            attend()
+
+    def forward_backward():
+        out = attend()
+        out.backward(torch.ones_like(out))
+        q.grad = k.grad = v.grad = None
+
+    return forward, forward_backward, flops, None
+
+
+def _matmul():
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    return lambda: torch.mm(a, b)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_sizes(lengths, impls, repeats):
+    results, mm_times = [], []
+    for n in lengths:
+        runners = {}
+        for name in impls:
+            forward, forward_backward, flops, skip = _runner(name, n)
+            if skip is None:
+                compile_s = _timed(forward) + (_timed(forward_backward) if forward_backward else 0)  # warm-up
+                runners[name] = (forward, forward_backward, flops, compile_s)
+            else:
+                results.append({"n": n, "impl": name, "skipped": skip, "flops_forward": flops})
+        times = {name: ([], []) for name in runners}
+        matmul = _matmul()
+        matmul()
+        for r in range(repeats):
+            mm_times.append(_timed(matmul))
+            for name, (forward, forward_backward, _, _) in runners.items():
+                slow = times[name][0] and times[name][0][-1] > 5                # one sample is enough
+                if r == 0 or not slow:
+                    times[name][0].append(_timed(forward))
+                    if forward_backward:
+                        times[name][1].append(_timed(forward_backward))
+        for name, (_, _, flops, compile_s) in runners.items():
+            fwd = statistics.median(times[name][0])
+            fwd_bwd = statistics.median(times[name][1]) if times[name][1] else None
+            results.append({"n": n, "impl": name, "forward_s": fwd, "forward_backward_s": fwd_bwd,
+                            "forward_samples": times[name][0], "forward_backward_samples": times[name][1],
+                            "flops_forward": flops, "forward_gflops": flops / fwd / 1e9,
+                            "forward_backward_gflops": 3.5 * flops / fwd_bwd / 1e9 if fwd_bwd else None,
+                            "warmup_s": compile_s})
+            print(f"N={n:>7} {name:>10}: forward {fwd * 1e3:9.1f} ms  fwd+bwd "
+                  f"{fwd_bwd * 1e3 if fwd_bwd else float('nan'):9.1f} ms  {flops / fwd / 1e9:6.1f} GFLOP/s", flush=True)
+    return results, 2 * 4096 ** 3 / statistics.median(mm_times) / 1e9, mm_times
+
+
+def scale_point(n: int, backward: bool) -> dict:
+    """Run once in this process (a fresh one): time and peak resident memory."""
+    q, k, v = _inputs(n, grad=backward)
+    start = time.perf_counter()
+    layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+    layout_s = time.perf_counter() - start
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    if backward:
+        out = sparse_attention(q, k, v, layout, backend="numba")
+        out.backward(torch.ones_like(out))
+    else:
+        with torch.no_grad():
+            out = sparse_attention(q, k, v, layout, backend="numba")
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tensor_bytes = 4 * BATCH * HEADS * n * DIM
+    return {"n": n, "backward": backward, "seconds": seconds, "layout_s": layout_s,
+            "peak_rss_gib": peak / 2 ** 30, "rss_before_call_gib": base_rss / 2 ** 30,
+            "one_qkv_tensor_gib": tensor_bytes / 2 ** 30,
+            "flops_forward": layout.flops(DIM) * BATCH, "finite": bool(torch.isfinite(out).all())}
+
+
+def run_scale_points() -> list[dict]:
+    points = []
+    for n, backward in SCALE_POINTS:
+        cmd = [sys.executable, __file__, "--scale-point", str(n)] + (["--backward"] if backward else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            points.append({"n": n, "backward": backward, "error": proc.stderr.strip().splitlines()[-1:]})
+        else:
+            points.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(points[-1], flush=True)
+    return points
+
+
+def _target_lines(results, mm_gflops) -> list[str]:
+    at = {(r["n"], r["impl"]): r for r in results if "forward_s" in r}
+    lines = []
+    for n in sorted({r["n"] for r in results}):
+        numba_ = at.get((n, "numba"))
+        flex = [at[(n, f)] for f in ("flex-64", "flex-128") if (n, f) in at]
+        if not numba_:
+            continue
+        if flex:
+            best = min(flex, key=lambda r: r["forward_s"])
+            lines.append(f"- N={n}: numba forward is {best['forward_s'] / numba_['forward_s']:.2f}x faster than "
+                         f"FlexAttention at its best block ({best['impl']}; target >= 1.5x at N=16384)")
+        lines.append(f"- N={n}: numba forward {numba_['forward_gflops']:.1f} GFLOP/s = "
+                     f"{numba_['forward_gflops'] / mm_gflops:.0%} of the matmul rate (target >= 40%); "
+                     f"forward+backward = {numba_['forward_backward_s'] / numba_['forward_s']:.2f}x forward "
+                     f"(target <= 3.5x)")
+    return lines
+
+
+def write(out_dir: Path, record: dict, command: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cpu_kernels.json").write_text(json.dumps(record, indent=2) + "\n")
+    m = record["machine"]
+    lines = [
+        "# CPU kernels: numba vs FlexAttention, reference and dense SDPA", "",
+        f"`{command}`", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"numba {m['numba']} ({m['numba_threads']} threads); load average {m['loadavg_before']} before, "
+        f"{m['loadavg_after']} after (the machine is shared: compare ratios within this run).", "",
+        f"B={BATCH}, H={HEADS}, D={DIM}, float32, `{PATTERN_NAME}`. Median of {record['repeats']} interleaved "
+        f"repeats. GFLOP/s on computed blocks (`layout.flops(D)`, x3.5 for forward+backward). "
+        f"fp32 matmul rate (torch.mm 4096^3, same run): **{record['matmul_gflops']:.0f} GFLOP/s**.", "",
+        "| N | implementation | forward ms | fwd+bwd ms | forward GFLOP/s | fwd+bwd GFLOP/s | numba speed-up (fwd) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    at = {(r["n"], r["impl"]): r for r in record["results"] if "forward_s" in r}
+    for r in record["results"]:
+        if "skipped" in r:
+            lines.append(f"| {r['n']} | {r['impl']} | skipped: {r['skipped']} | | | | |")
+            continue
+        base = at.get((r["n"], "numba"))
+        speedup = f"{r['forward_s'] / base['forward_s']:.2f}x" if base else ""
+        if r["forward_backward_s"] is None:
+            fb, fb_rate = "no CPU backward in torch", ""
+        else:
+            fb, fb_rate = f"{r['forward_backward_s'] * 1e3:.1f}", f"{r['forward_backward_gflops']:.1f}"
+        lines.append(f"| {r['n']} | {r['impl']} | {r['forward_s'] * 1e3:.1f} | {fb} | {r['forward_gflops']:.1f} | "
+                     f"{fb_rate} | {speedup} |")
+    lines += ["", "Targets:", *_target_lines(record["results"], record["matmul_gflops"])]
+    if record.get("scale"):
+        lines += ["", "Scale (numba, fresh process each):", "",
+                  "| N | pass | seconds | peak RSS GiB | one q/k/v tensor GiB |", "|---:|---|---:|---:|---:|"]
+        for p in record["scale"]:
+            if "error" in p:
+                lines.append(f"| {p['n']} | {'fwd+bwd' if p['backward'] else 'forward'} | failed: {p['error']} | | |")
+            else:
+                lines.append(f"| {p['n']} | {'fwd+bwd' if p['backward'] else 'forward'} | {p['seconds']:.1f} | "
+                             f"{p['peak_rss_gib']:.1f} | {p['one_qkv_tensor_gib']:.2f} |")
+    (out_dir / "cpu_kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="N=4096 only, 3 repeats, no scale points")
+    parser.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--impls", nargs="+", default=["numba", "flex-64", "flex-128", "reference", "sdpa-dense"])
+    parser.add_argument("--no-scale", action="store_true", help="skip the N=262K / 1M scale points")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--scale-point", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scale_point:
+        print(json.dumps(scale_point(args.scale_point, args.backward)))
+        return
+    lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
+    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+               "torch": torch.__version__, "numba": numba.__version__, "torch_threads": torch.get_num_threads(),
+               "numba_threads": numba.get_num_threads(), "loadavg_before": os.getloadavg()}
+    results, mm_gflops, mm_times = run_sizes(lengths, args.impls, repeats)
+    scale = [] if args.quick or args.no_scale else run_scale_points()
+    machine["loadavg_after"] = os.getloadavg()
+    record = {"machine": machine, "batch": BATCH, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
+              "pattern": PATTERN_NAME, "repeats": repeats, "matmul_gflops": mm_gflops, "matmul_samples_s": mm_times,
+              "results": results, "scale": scale}
+    write(args.out, record, "python benchmarks/cpu_kernels.py " + " ".join(sys.argv[1:]))
+    print((args.out / "cpu_kernels.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
