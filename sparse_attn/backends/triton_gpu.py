@@ -314,8 +314,10 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
              mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
 
 
-# Triton picks compiled or interpreted kernels when they are defined (TRITON_INTERPRET at import).
+# Triton picks compiled or interpreted functions when each @triton.jit runs, with TRITON_INTERPRET as
+# it is then: for our kernels at this import, for Triton's own (tl.zeros, tl.sum) at `import triton`.
 _INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
+_MIXED_MODES = _INTERPRETED != (not isinstance(tl.zeros, triton.runtime.JITFunction))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,7 +453,7 @@ def available() -> tuple[bool, str]:
     """(usable, reason): a CUDA GPU, or Triton's interpreter for CPU tensors."""
     if torch.cuda.is_available():
         return True, ""
-    if _INTERPRETED:
+    if _INTERPRETED and not _MIXED_MODES:
         return True, "no CUDA GPU: CPU tensors run in Triton's interpreter (TRITON_INTERPRET=1), slowly"
     return False, "no CUDA GPU; use backend='numba' or 'reference' on CPU"
 
@@ -464,11 +466,15 @@ def check(q, k, v, layout: BlockLayout) -> None:
                                "(.cuda()), use backend='numba' or 'reference' on CPU, or for testing set "
                                "TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's "
                                "interpreter")
-        if not _INTERPRETED:
-            raise RuntimeError("TRITON_INTERPRET=1 was set after sparse_attn's Triton kernels were defined, so they "
-                               "cannot run on CPU; set it before the first `import triton` (e.g. in the shell)")
+        if not _INTERPRETED or _MIXED_MODES:
+            raise RuntimeError("TRITON_INTERPRET=1 was set after Triton (or sparse_attn's Triton kernels) had been "
+                               "imported, e.g. by torch.compile, so the kernels cannot run on CPU; set it before the "
+                               "first `import triton` (in the shell: TRITON_INTERPRET=1 python ...)")
     elif q.device.type != "cuda":
         raise RuntimeError(f"backend='triton' runs CUDA tensors, got q on {q.device}; use backend='reference'")
+    if _MIXED_MODES:
+        raise RuntimeError("Triton was imported with a different TRITON_INTERPRET than sparse_attn's Triton kernels; "
+                           "set (or unset) TRITON_INTERPRET before the first `import triton`")
     if q.dtype == torch.bfloat16 and _INTERPRETED:
         raise ValueError("Triton's interpreter (TRITON_INTERPRET=1) computes tl.dot on bfloat16 wrongly (numpy has "
                          "no bfloat16), got q of dtype torch.bfloat16; test with float16 or float32, or run on CUDA")
