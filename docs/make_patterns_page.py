@@ -1,8 +1,12 @@
-"""Writes docs/patterns.md from the preset files: python docs/make_patterns_page.py"""
+"""Writes docs/patterns.md from the preset files: python docs/make_patterns_page.py
+
+The densities are the ones ``sparse-attn patterns`` prints (``sparse_attn.cli.preset_rows``).
+"""
 from pathlib import Path
 
 import sparse_attn as sa
-from sparse_attn.presets import _preset_dir, _read
+from sparse_attn.cli import preset_rows
+from sparse_attn.presets import _preset_dir
 
 
 def main() -> None:
@@ -10,13 +14,12 @@ def main() -> None:
              "Presets are TOML files in [patterns/](../patterns/), shipped inside the wheel. Load one with",
              "`sa.preset(name)`, list them with `sa.list_presets()`, and write your own with",
              "`sa.save_pattern(pattern, path, description=...)` / read it with `sa.load_pattern(path)`.", "",
-             "Densities are token densities at 4,096 and 16,384 tokens (block 64), computed by",
-             "`python docs/make_patterns_page.py`, which writes this page.", "",
+             "Densities are token densities at 4,096 and 16,384 tokens (block 64), as `sparse-attn patterns`",
+             "prints them; `python docs/make_patterns_page.py` writes this page. Figures of each preset are in",
+             "the [pattern gallery](gallery.md).", "",
              "| preset | pattern | description | density @4K | density @16K |", "|---|---|---|---:|---:|"]
-    for name, description in sa.list_presets().items():
+    for name, description, _, d4, d16 in preset_rows():
         pattern = sa.preset(name)
-        heads = _read(_preset_dir() / f"{name}.toml").get("heads", 1)
-        d4, d16 = (pattern.layout(n, heads=heads).density for n in (4096, 16384))
         expression = repr(pattern) if len(repr(pattern)) < 90 else repr(pattern)[:87] + "..."
         lines.append(f"| `{name}` | `{expression.replace('|', chr(92) + '|')}` | {description} | {d4:.2%} | {d16:.2%} |")
     example = (_preset_dir() / "streaming-llm.toml").read_text().strip()

@@ -65,7 +65,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     for h in heads:
         layout._check_example_head(batch, h)
     zoom = min(zoom or 4 * layout.block_size, layout.n_q, layout.n_k)
-    figure, axes = plt.subplots(2, len(heads), figsize=(3.2 * len(heads) + 0.6, 6.8), squeeze=False,
+    figure, axes = plt.subplots(2, len(heads), figsize=(max(3.2 * len(heads) + 0.6, 6.4), 6.8), squeeze=False,
                                 gridspec_kw={"height_ratios": [1, 1]})
     colours = ListedColormap([_COLORS["skipped"], _COLORS["partial"], _COLORS["full"]])
     zoom_blocks = -(-zoom // layout.block_size)
@@ -82,7 +82,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
         top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
         mask = layout.row_mask(0, zoom_blocks)[batch % layout.batch, 0 if layout.shared_heads else h]
         bottom = axes[1, column]
-        bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]),
+        bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]), vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, zoom, zoom, 0))
         for edge in range(layout.block_size, zoom, layout.block_size):
             bottom.axhline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
