@@ -218,9 +218,6 @@ def test_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.xfail(reason="sparse_attn.backends.load calls importlib.import_module, which torch.compile cannot "
-                          "trace; needs the sys.modules fast path described in docs/backend-triton.md",
-                   strict=False)
 def test_torch_compile_through_sparse_attention():
     q, k, v = make_qkv(1, 2, 2, 32, 32, 16)
     layout = sa.Local(8).layout(32, heads=2, block_size=16)

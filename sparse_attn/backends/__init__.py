@@ -11,6 +11,7 @@ imported when asked for.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 MODULES = {"reference": "reference", "numba": "numba_cpu", "triton": "triton_gpu"}
@@ -20,6 +21,9 @@ def load(name: str) -> ModuleType:
     """The backend module ``name``, or a RuntimeError that says why it cannot be used."""
     if name not in MODULES:
         raise ValueError(f"backend must be one of {['auto', *MODULES]}, got {name!r}")
+    loaded = sys.modules.get(f"{__name__}.{MODULES[name]}")  # a dict lookup torch.compile can trace
+    if loaded is not None:
+        return loaded
     try:
         return importlib.import_module(f"{__name__}.{MODULES[name]}")
     except ModuleNotFoundError as error:
