@@ -101,7 +101,7 @@ class SparseSelfAttention(nn.Module):
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         out = _attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
-                               global_mask=global_mask, backend=self.backend)     # (B, H, N, D)
+                         global_mask=global_mask, backend=self.backend)           # (B, H, N, D)
         if self.global_projections and global_mask is not None:
             out = self._global_rows(x, out, key_padding_mask, global_mask)
         if key_padding_mask is not None:
@@ -122,7 +122,7 @@ class SparseSelfAttention(nn.Module):
         k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         rows = _attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
-                                backend=self.backend)                             # (B, H, G, D)
+                          backend=self.backend)                                   # (B, H, G, D)
         index = index[:, None, :, None].expand(batch, heads, count, head_dim)
         rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
         return torch.where(global_mask[:, None, :, None], rows, out)
