@@ -142,12 +142,10 @@ def test_opcheck():
 
 
 def test_torch_compile_fullgraph_forward_backward():
-    # Calls the backend entry point: sparse_attention() itself breaks the graph at
-    # backends.load()'s importlib.import_module (a core issue, not this backend's).
     (q, k, v), layout = _inputs(CASES[IDS.index("gqa")], torch.float32)
 
     def attend(q, k, v):
-        out, lse = numba_cpu.attention(q, k, v, layout, 0.2)
+        out, lse = sa.sparse_attention(q, k, v, layout, scale=0.2, backend="numba", return_lse=True)
         return out.square().sum() + torch.where(torch.isinf(lse), 0.0, lse).sum()
 
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")

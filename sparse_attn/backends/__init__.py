@@ -10,28 +10,28 @@ imported when asked for.
 """
 from __future__ import annotations
 
-import importlib
-import sys
 from types import ModuleType
 
-MODULES = {"reference": "reference", "numba": "numba_cpu", "triton": "triton_gpu"}
+MODULES = ("reference", "numba", "triton")
 
 
 def load(name: str) -> ModuleType:
     """The backend module ``name``, or a RuntimeError that says why it cannot be used."""
     if name not in MODULES:
         raise ValueError(f"backend must be one of {['auto', *MODULES]}, got {name!r}")
-    loaded = sys.modules.get(f"{__name__}.{MODULES[name]}")  # a dict lookup torch.compile can trace
-    if loaded is not None:
-        return loaded
     try:
-        return importlib.import_module(f"{__name__}.{MODULES[name]}")
+        # import statements rather than importlib: torch.compile traces them, so even the first call of
+        # a backend may happen inside a compiled function
+        if name == "numba":
+            from . import numba_cpu as module
+        elif name == "triton":
+            from . import triton_gpu as module
+        else:
+            from . import reference as module
     except ModuleNotFoundError as error:
-        if error.name == f"{__name__}.{MODULES[name]}":
-            raise RuntimeError(f"backend {name!r} is not built yet in this version of sparse_attn; "
-                               f"use backend='reference'") from None
         raise RuntimeError(f"backend {name!r} needs the package {error.name!r}, which is not installed: "
                            f"pip install {error.name}") from error
+    return module
 
 
 def availability(name: str) -> tuple[bool, str]:
