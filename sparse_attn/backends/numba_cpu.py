@@ -60,7 +60,9 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
+from numba.np.linalg import check_blas_return, ensure_blas
 
 from ..layout import BlockLayout
 
@@ -74,6 +76,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def available() -> tuple[bool, str]:
+    try:
+        ensure_blas()                                    # the kernels' matmuls call scipy's BLAS
+    except ImportError as error:
+        return False, f"backend='numba' needs scipy (its BLAS): {error}"
     return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads"
 
 
@@ -141,7 +147,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)                                                    # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3])                                               # (B, Hq, Nq)
-    order = _heaviest_first(full_ptr, part_ptr, q.shape[0], q.shape[1])
+    order = _heaviest_first(_task_costs(full_ptr, part_ptr, q.shape[0], q.shape[1]))
     with _single_threaded_blas():
         _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
                  part_idx.numpy(), part_mask.numpy(), masks.numpy(), order, numba.get_num_threads(), block_size,
@@ -166,20 +172,18 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     lse2 = torch.where(torch.isinf(lse), math.inf, lse * _LOG2E).contiguous()  # (B, Hq, Nq) base 2
     delta = delta.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
-    panel = _panel_blocks(block_size)
-    row_order = _heaviest_first(full_ptr, part_ptr, batch, heads)
-    col_order = _heaviest_first(full_t_ptr, part_t_ptr, batch, heads, kv_heads)
-    workers, qscale, scale = numba.get_num_threads(), _as(q, scale * _LOG2E), _as(q, scale)
-    q_, k_, v_, do_, lse2_, delta_ = (t.numpy() for t in (q, k, v, dout, lse2, delta))
+    workers = numba.get_num_threads()
+    costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, kv_heads)
+    ptr, tasks = _static_schedule(_heaviest_first(costs), costs, workers)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq_parts = q.new_zeros((workers - 1, *q.shape))                              # (W-1, B, Hq, Nq, D)
     with _single_threaded_blas():
-        _backward_dq(q_, k_, v_, do_, lse2_, delta_, full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
-                     part_idx.numpy(), part_mask.numpy(), masks.numpy(), row_order, workers, block_size, panel,
-                     qscale, scale, dq.numpy())
-        _backward_dkdv(q_, k_, v_, do_, lse2_, delta_, full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(),
-                       part_t_idx.numpy(), part_t_mask.numpy(), masks.numpy(), col_order, workers, block_size, panel,
-                       qscale, scale, dk.numpy(), dv.numpy())
+        _backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(),
+                  full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
+                  part_t_mask.numpy(), masks.numpy(), ptr, tasks, block_size, _panel_blocks(block_size),
+                  _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
+        _sum_parts(dq.view(-1, q.shape[-1]).numpy(), dq_parts.view(workers - 1, -1, q.shape[-1]).numpy())
     return dq, dk, dv
 
 
@@ -216,18 +220,22 @@ def _panel_blocks(block_size: int) -> int:
     return max(1, _PANEL_KEYS // block_size)
 
 
-def _heaviest_first(ptr: torch.Tensor, part_ptr: torch.Tensor, batch: int, heads: int,
-                    kv_heads: int | None = None) -> np.ndarray:
-    """Task ids (example, head, block) sorted by block count, heaviest first (stable).
+def _task_costs(ptr: torch.Tensor, part_ptr: torch.Tensor, batch: int, heads: int,
+                kv_heads: int | None = None) -> np.ndarray:
+    """Block count of every task (example, head, block), flat in task-id order.
 
-    With ``kv_heads`` the tasks are (example, kv head, block) and a task's cost sums the heads
-    of its group.
+    With ``kv_heads`` the tasks are (example, kv head, block) and a task sums the heads of its group.
     """
     counts = np.diff(ptr.numpy(), axis=-1) + np.diff(part_ptr.numpy(), axis=-1)  # (Bl, Hl, n_blocks)
     counts = np.broadcast_to(counts, (batch, heads, counts.shape[-1]))
     if kv_heads is not None:
         counts = counts.reshape(batch, kv_heads, heads // kv_heads, -1).sum(2)
-    return np.argsort(-counts.reshape(-1), kind="stable").astype(np.int64)
+    return counts.reshape(-1).astype(np.int64)
+
+
+def _heaviest_first(costs: np.ndarray) -> np.ndarray:
+    """Task ids sorted by cost, heaviest first (stable)."""
+    return np.argsort(-costs, kind="stable").astype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,6 +255,52 @@ def _int_bits_as_float32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _xxgemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Column-major BLAS ?gemm, c = alpha op(a) op(b) + beta c, through the binding Numba's np.dot
+    uses (``numba_xxgemm``: scipy's BLAS, found by name, so cached kernels stay valid)."""
+    def codegen(context, builder, signature, args):
+        ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc = args
+        dtype = signature.args[11].dtype
+        char, void_p, intp = ir.IntType(8), ir.IntType(8).as_pointer(), context.get_value_type(types.intp)
+        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, void_p, void_p, intp,
+                                                void_p, intp, void_p, void_p, intp])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+
+        def scalar(value, ty):
+            slot = cgutils.alloca_once_value(builder, context.cast(builder, value, ty, dtype))
+            return builder.bitcast(slot, void_p)
+
+        def data(value, ty):
+            return builder.bitcast(context.make_array(ty)(context, builder, value).data, void_p)
+
+        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+        sig = signature.args
+        res = builder.call(fn, (kind, builder.trunc(ta, char), builder.trunc(tb, char), m, n, k,
+                                scalar(alpha, sig[5]), data(a, sig[6]), lda, data(b, sig[8]), ldb,
+                                scalar(beta, sig[10]), data(c, sig[11]), ldc))
+        check_blas_return(context, builder, res)
+        return context.get_dummy_value()
+    return types.void(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), codegen
+
+
+_N, _T = ord("n"), ord("t")
+
+
+@njit(cache=True)
+def _gemm(alpha, a, trans_a, b, trans_b, beta, c):
+    """c (m, n) = alpha * op(a) @ op(b) + beta * c, op(x) = x.T if trans_x else x. a, b, c are
+    row-major with unit column stride (row slices of C-contiguous arrays, any row stride). BLAS is
+    column-major, where a row-major x reads as x.T: it computes c.T = op(b).T @ op(a).T."""
+    m, n = c.shape
+    inner = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    _xxgemm(_T if trans_b else _N, _T if trans_a else _N, n, m, inner, alpha,
+            b, max(1, b.strides[0] // b.itemsize), a, max(1, a.strides[0] // a.itemsize),
+            beta, c, max(1, c.strides[0] // c.itemsize))
 
 
 def _exp2(x):
@@ -321,11 +375,10 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
 
 
 @njit(cache=True, fastmath=_FASTMATH | {"nnan"})
-def _row_max(s, i, start):
-    """max(start, s[i, :]); 'nnan' lets LLVM vectorise the reduction (scores are never NaN)."""
+def _row_max(row, start):
+    """max(start, row) of a 1-D row; 'nnan' lets LLVM vectorise the reduction (scores are never NaN)."""
     best = start
-    for j in range(s.shape[1]):
-        x = s[i, j]
+    for x in row:
         best = x if x > best else best
     return best
 
@@ -336,15 +389,16 @@ def _online_softmax(s, m, l, acc):
     rescales the running sum l and the output accumulator acc (rows, D) accordingly."""
     rows, width = s.shape
     for i in range(rows):
-        m_new = _row_max(s, i, m[i])
+        row = s[i]
+        m_new = _row_max(row, m[i])
         if m_new == -np.inf:                             # nothing allowed yet in this row
-            s[i] = 0
+            row[:] = 0
             continue
         alpha = _exp2(m[i] - m_new)
         total = l[i] - l[i]                              # a zero of the dtype (l is finite)
         for j in range(width):
-            p = _exp2(s[i, j] - m_new)
-            s[i, j] = p
+            p = _exp2(row[j] - m_new)
+            row[j] = p
             total += p
         l[i] = l[i] * alpha + total
         for d in range(acc.shape[1]):
@@ -353,41 +407,16 @@ def _online_softmax(s, m, l, acc):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _probabilities(s, lse2, c):
-    """s (rows, W) raw scores -> P = exp2(s * c - lse2[row]); lse2 = +inf gives 0."""
-    rows, width = s.shape
-    for i in range(rows):
-        shift = lse2[i]
-        for j in range(width):
-            s[i, j] = _exp2(s[i, j] * c - shift)
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _probabilities_t(s, lse2, c):
-    """Transposed twin of ``_probabilities``: s (cols, W) with lse2 indexed by column."""
-    cols, width = s.shape
+def _grad_scores_t(st, dpt, lse2, delta, c):
+    """In: st = S.T raw scores (-inf where masked), dpt = dP.T, both (cols, W); lse2, delta (W,)
+    per query. Out: dpt <- P.T = exp2(st * c - lse2) (0 where masked or lse2 = +inf: empty rows)
+    and st <- dS.T = P.T * (dP.T - delta)."""
+    cols, width = st.shape
     for j in range(cols):
         for i in range(width):
-            s[j, i] = _exp2(s[j, i] * c - lse2[i])
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _grad_scores(p, dp, delta):
-    """p <- dS = P * (dP - delta[row]). p, dp (rows, W)."""
-    rows, width = p.shape
-    for i in range(rows):
-        shift = delta[i]
-        for j in range(width):
-            p[i, j] *= dp[i, j] - shift
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _grad_scores_t(p, dp, delta):
-    """Transposed twin of ``_grad_scores``: delta indexed by column."""
-    cols, width = p.shape
-    for j in range(cols):
-        for i in range(width):
-            p[j, i] *= dp[j, i] - delta[i]
+            p = _exp2(st[j, i] * c - lse2[i])
+            st[j, i] = p * (dpt[j, i] - delta[i])
+            dpt[j, i] = p
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -396,37 +425,27 @@ def _panel(buffer, rows, width):
     return buffer[:rows * width].reshape((rows, width))
 
 
-@njit(cache=True, fastmath=_FASTMATH)
-def _add(acc, x):
-    rows, cols = x.shape
-    for i in range(rows):
-        for j in range(cols):
-            acc[i, j] += x[i, j]
-
-
 # ------------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------------
 @njit(cache=True, fastmath=_FASTMATH)
-def _forward_row(qs, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
-                 scores, tmp, acc, m, l, tiles, out, lse):
-    """One query block: qs (rows, D) pre-scaled queries; k, v (Nk, D) of its kv head; writes
-    out (rows, D) and lse (rows,)."""
-    rows, dim = qs.shape
+def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks, qscale,
+                 scores, acc, m, l, tiles, out, lse):
+    """One query block: q (rows, D); k, v (Nk, D) of its kv head; writes out (rows, D) and lse (rows,)."""
+    rows, dim = q.shape
     m[:rows] = -np.inf
     l[:rows] = 0
     acc[:rows] = 0
+    zero, one = qscale - qscale, qscale / qscale
     while a < b or pa < pb:
         first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
         j0 = first * block_size
         width = min(j0 + count * block_size, n_k) - j0
         s = _panel(scores, rows, width)                                          # (rows, W)
-        np.dot(qs, k[j0:j0 + width].T, s)
+        _gemm(qscale, q, False, k[j0:j0 + width], True, zero, s)                 # base-2 scores
         _mask_panel(s, tiles, count, block_size, masks, False)
         _online_softmax(s, m, l, acc[:rows])
-        pv = _panel(tmp, rows, dim)                                              # (rows, D)
-        np.dot(s, v[j0:j0 + width], pv)
-        _add(acc[:rows], pv)
+        _gemm(one, s, False, v[j0:j0 + width], False, one, acc[:rows])           # acc += P @ v
     for i in range(rows):
         if l[i] > 0:
             inv = 1 / l[i]
@@ -449,8 +468,6 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
     counter = np.zeros(1, np.int64)
     for _ in prange(n_workers):
         scores = np.empty(block_size * max_blocks * block_size, q.dtype)
-        tmp = np.empty(block_size * dim, q.dtype)
-        qs = np.empty((block_size, dim), q.dtype)
         acc = np.empty((block_size, dim), q.dtype)
         m = np.empty(block_size, q.dtype)
         l = np.empty(block_size, q.dtype)
@@ -464,133 +481,97 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
             lb, lh = 0 if shared_b else b, 0 if shared_h else h
             i0 = r * block_size
             rows = min(block_size, n_q - i0)
-            for i in range(rows):
-                for d in range(dim):
-                    qs[i, d] = q[b, h, i0 + i, d] * qscale
-            _forward_row(qs[:rows], k[b, h // group], v[b, h // group], n_k,
+            _forward_row(q[b, h, i0:i0 + rows], k[b, h // group], v[b, h // group], n_k,
                          full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
                          part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
-                         block_size, max_blocks, scores, tmp, acc, m, l, tiles,
+                         block_size, max_blocks, qscale, scores, acc, m, l, tiles,
                          out[b, h, i0:i0 + rows], lse[b, h, i0:i0 + rows])
 
 
 # ------------------------------------------------------------------------------------------------
 # Backward
 # ------------------------------------------------------------------------------------------------
-@njit(cache=True, fastmath=_FASTMATH)
-def _dq_row(q, do, lse2, delta, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
-            qscale, scale, scores, dscores, tmp, acc, tiles, dq):
-    """dq (rows, D) of one query block from its q, do (rows, D) and lse2, delta (rows,)."""
-    rows, dim = q.shape
-    acc[:rows] = 0
-    while a < b or pa < pb:
-        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
-        j0 = first * block_size
-        width = min(j0 + count * block_size, n_k) - j0
-        s = _panel(scores, rows, width)                                          # (rows, W)
-        np.dot(q, k[j0:j0 + width].T, s)
-        _mask_panel(s, tiles, count, block_size, masks, False)
-        _probabilities(s, lse2, qscale)
-        dp = _panel(dscores, rows, width)                                        # (rows, W)
-        np.dot(do, v[j0:j0 + width].T, dp)
-        _grad_scores(s, dp, delta)
-        ds_k = _panel(tmp, rows, dim)                                            # (rows, D)
-        np.dot(s, k[j0:j0 + width], ds_k)
-        _add(acc[:rows], ds_k)
-    for i in range(rows):
-        for d in range(dim):
-            dq[i, d] = acc[i, d] * scale
-
-
-@njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _backward_dq(q, k, v, dout, lse2, delta, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, order,
-                 n_workers, block_size, max_blocks, qscale, scale, dq):
-    batch, heads, n_q, dim = q.shape
-    group = heads // k.shape[1]
-    n_k = k.shape[2]
-    n_qb = full_ptr.shape[2] - 1
-    shared_b, shared_h = full_ptr.shape[0] == 1, full_ptr.shape[1] == 1
-    counter = np.zeros(1, np.int64)
-    for _ in prange(n_workers):
-        scores = np.empty(block_size * max_blocks * block_size, q.dtype)
-        dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
-        tmp = np.empty(block_size * dim, q.dtype)
-        acc = np.empty((block_size, dim), q.dtype)
-        tiles = np.empty(max_blocks, np.int64)
-        while True:
-            t = _fetch_add(counter)
-            if t >= order.size:
-                break
-            task = order[t]
-            b, h, r = task // (heads * n_qb), task // n_qb % heads, task % n_qb
-            lb, lh = 0 if shared_b else b, 0 if shared_h else h
-            i0 = r * block_size
-            rows = min(block_size, n_q - i0)
-            _dq_row(q[b, h, i0:i0 + rows], dout[b, h, i0:i0 + rows], lse2[b, h, i0:i0 + rows], delta[b, h, i0:i0 + rows],
-                    k[b, h // group], v[b, h // group], n_k,
-                    full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
-                    part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
-                    block_size, max_blocks, qscale, scale, scores, dscores, tmp, acc, tiles, dq[b, h, i0:i0 + rows])
+@njit(cache=True)
+def _static_schedule(order, costs, n_workers):
+    """Tasks of ``order`` (heaviest first) dealt to the least-loaded worker so far (LPT, ties to
+    the lowest worker): worker w runs ``tasks[ptr[w]:ptr[w + 1]]`` in that order. Depends only on
+    the layout and n_workers, so the dQ sums of every worker's buffer are reproducible."""
+    load = np.zeros(n_workers, np.int64)
+    owner = np.empty(order.size, np.int64)
+    ptr = np.zeros(n_workers + 1, np.int64)
+    for t in range(order.size):
+        w = np.argmin(load)
+        owner[t] = w
+        load[w] += costs[order[t]] + 1                                           # +1: a task's fixed cost
+        ptr[w + 1] += 1
+    ptr = np.cumsum(ptr)
+    tasks = np.empty(order.size, np.int64)
+    fill = ptr[:-1].copy()
+    for t in range(order.size):
+        tasks[fill[owner[t]]] = order[t]
+        fill[owner[t]] += 1
+    return ptr, tasks
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _dkdv_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks,
-               qscale, scores, dscores, tmp, dk_acc, dv_acc, tiles):
-    """Adds one query head's contribution to the key block's dk_acc, dv_acc (cols, D).
-    kc, vc (cols, D); q, do (Nq, D) and lse2, delta (Nq,) of that query head."""
+def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size,
+                   max_blocks, qscale, scale, scores, dscores, tiles, dk, dv, dq):
+    """One key block against one query head: adds to dk, dv (cols, D) and to that head's
+    dq (Nq, D). kc, vc (cols, D); q, do (Nq, D) and lse2, delta (Nq,) of the query head."""
     cols, dim = kc.shape
+    zero, one = scale - scale, scale / scale
     while a < b or pa < pb:
         first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
         i0 = first * block_size
         width = min(i0 + count * block_size, n_q) - i0
+        qp, dop = q[i0:i0 + width], do[i0:i0 + width]                            # (W, D)
         st = _panel(scores, cols, width)                                         # (cols, W) = S.T
-        np.dot(kc, q[i0:i0 + width].T, st)
+        _gemm(one, kc, False, qp, True, zero, st)
         _mask_panel(st, tiles, count, block_size, masks, True)
-        _probabilities_t(st, lse2[i0:i0 + width], qscale)
-        acc = _panel(tmp, cols, dim)                                             # (cols, D)
-        np.dot(st, do[i0:i0 + width], acc)
-        _add(dv_acc, acc)
         dpt = _panel(dscores, cols, width)                                       # (cols, W) = dP.T
-        np.dot(vc, do[i0:i0 + width].T, dpt)
-        _grad_scores_t(st, dpt, delta[i0:i0 + width])
-        np.dot(st, q[i0:i0 + width], acc)
-        _add(dk_acc, acc)
+        _gemm(one, vc, False, dop, True, zero, dpt)
+        _grad_scores_t(st, dpt, lse2[i0:i0 + width], delta[i0:i0 + width], qscale)  # st = dS.T, dpt = P.T
+        _gemm(one, dpt, False, dop, False, one, dv)                              # dv += P.T @ dO
+        _gemm(scale, st, False, qp, False, one, dk)                              # dk += dS.T @ q
+        _gemm(scale, st, True, kc, False, one, dq[i0:i0 + width])                # dq += dS @ k
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _backward_dkdv(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
-                   order, n_workers, block_size, max_blocks, qscale, scale, dk, dv):
+def _backward(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
+              ptr, tasks, block_size, max_blocks, qscale, scale, dq, dq_parts, dk, dv):
+    """One pass over key blocks. Worker w runs its static share ``tasks[ptr[w]:ptr[w + 1]]``; each
+    task writes its own rows of dk and dv and adds its dQ terms to worker w's buffer (dq itself
+    for w = 0, dq_parts[w - 1] otherwise). dq, dk, dv and dq_parts arrive zeroed."""
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     n_kb = full_t_ptr.shape[2] - 1
     shared_b, shared_h = full_t_ptr.shape[0] == 1, full_t_ptr.shape[1] == 1
-    counter = np.zeros(1, np.int64)
-    for _ in prange(n_workers):
+    for w in prange(ptr.size - 1):
         scores = np.empty(block_size * max_blocks * block_size, q.dtype)
         dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
-        tmp = np.empty(block_size * dim, q.dtype)
-        dk_acc = np.empty((block_size, dim), q.dtype)
-        dv_acc = np.empty((block_size, dim), q.dtype)
         tiles = np.empty(max_blocks, np.int64)
-        while True:
-            t = _fetch_add(counter)
-            if t >= order.size:
-                break
-            task = order[t]
+        buffer = dq if w == 0 else dq_parts[w - 1]
+        for t in range(ptr[w], ptr[w + 1]):
+            task = tasks[t]
             b, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
             j0 = c * block_size
             cols = min(block_size, n_k - j0)
-            dk_acc[:cols] = 0
-            dv_acc[:cols] = 0
             lb = 0 if shared_b else b
             for h in range(g * group, (g + 1) * group):
                 lh = 0 if shared_h else h
-                _dkdv_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h], delta[b, h],
-                           n_q, full_t_idx, full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1],
-                           part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
-                           block_size, max_blocks, qscale, scores, dscores, tmp, dk_acc[:cols], dv_acc[:cols], tiles)
-            for j in range(cols):
-                for d in range(dim):
-                    dk[b, g, j0 + j, d] = dk_acc[j, d] * scale
-                    dv[b, g, j0 + j, d] = dv_acc[j, d]
+                _backward_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h],
+                               delta[b, h], n_q, full_t_idx, full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1],
+                               part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
+                               block_size, max_blocks, qscale, scale, scores, dscores, tiles,
+                               dk[b, g, j0:j0 + cols], dv[b, g, j0:j0 + cols], buffer[b, h])
+
+
+@njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _sum_parts(dq, dq_parts):
+    """dq += dq_parts[0] + dq_parts[1] + ..., in that order. dq (R, D), dq_parts (P, R, D)."""
+    rows, dim = dq.shape
+    for i in prange(rows):
+        for p in range(dq_parts.shape[0]):
+            for d in range(dim):
+                dq[i, d] += dq_parts[p, i, d]
