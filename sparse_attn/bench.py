@@ -348,7 +348,8 @@ def markdown(results: dict) -> str:
         for name in results["implementations"]:
             cells = {p["n"]: _cell(p) for p in points if p["implementation"] == name}
             lines.append(f"| {name} | " + " | ".join(cells.get(n, "") for n in lengths) + " |")
-        lines += ["", "Cells: time (s) / memory (MB); `oom` = out of memory, `timeout` = ran past the time limit, "
+        lines += ["", "Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its "
+                      "memory includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, "
                       "`-` = skipped after either at a smaller N, `n/a` = not available.", ""]
     lines += ["## Implementations", ""] + [f"- `{k}`: {v}" for k, v in results["implementations"].items()]
     return "\n".join(lines) + "\n"
@@ -357,7 +358,8 @@ def markdown(results: dict) -> str:
 def _cell(point: dict) -> str:
     status = point["status"]
     if status == "ok":
-        return f"{point['time_s']:.3g} / {point['memory_mb']:,.0f}"
+        single = point.get("measured", "").startswith("warm-up")
+        return f"{point['time_s']:.3g} / {point['memory_mb']:,.0f}" + ("*" if single else "")
     return {"skipped": "-", "unavailable": "n/a"}.get(status, status)
 
 
