@@ -1,9 +1,11 @@
 """The memory benchmark: time and peak memory of attention versus sequence length.
 
->>> from sparse_attn import bench                                                  # doctest: +SKIP
->>> results = bench.sweep({"longformer": bench.PATTERNS["longformer"]}, [1024, 2048],
-...                       ["sparse_attn-numba", "sdpa-dense"], out=Path("bench-out"))
->>> bench.write(results, Path("bench-out"))     # results.json, results.md, time.png, memory.png
+>>> from pathlib import Path
+>>> from sparse_attn import bench
+>>> from sparse_attn.cli import parse_pattern
+>>> patterns = {"longformer": parse_pattern(bench.PATTERNS["longformer"])[0]}
+>>> results = bench.sweep(patterns, [1024, 2048], ["sparse_attn-numba", "sdpa-dense"])  # doctest: +SKIP
+>>> bench.write(results, Path("bench-out"))  # results.json, results.md, time.png, memory.png  # doctest: +SKIP
 
 Every (pattern, implementation, N) point runs in a fresh ``python -m sparse_attn.bench`` process, so
 its memory is its own. In the child, after the imports and after q, k, v exist:
