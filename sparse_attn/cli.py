@@ -104,6 +104,9 @@ def _evaluate(node: ast.AST):
         return CONSTRUCTORS[node.func.id](*args, **kwargs)
     if isinstance(node, ast.Name) and node.id in CONSTRUCTORS:
         raise UsageError(f"pattern expression: {node.id} must be called, e.g. {node.id}(...)")
+    if isinstance(node, ast.Name):
+        raise UsageError(f"{node.id!r} is not a preset ({', '.join(presets.list_presets())}), a .toml file or a "
+                         f"pattern expression such as 'Local(64) | Global(first=2)'")
     raise UsageError(f"pattern expression: {ast.unparse(node)!r} is not allowed; use pattern constructors "
                      f"({', '.join(CONSTRUCTORS)}), int/str/bool constants, lists, '|' and '&'")
 

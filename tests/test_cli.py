@@ -89,6 +89,7 @@ def test_bench_records_timeouts_and_keeps_going(tmp_path):
     (["show", "Local(4)", "--seq-len", "64", "--heads", "a"], "expected comma-separated head indices"),
     (["show", "missing.toml", "--seq-len", "64"], "no pattern file at missing.toml"),
     (["bench", "--backends", "cuda-magic"], "unknown --backends cuda-magic"),
+    (["bench", "--patterns", "longformerr"], "'longformerr' is not a preset (bigbird-etc, "),
     (["bench", "--lengths", "-5"], "expected a positive integer"),
     (["frobnicate"], "invalid choice"),
 ])
