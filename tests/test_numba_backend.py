@@ -1,6 +1,8 @@
 """The Numba CPU backend against the reference backend: values, lse and gradients."""
 from __future__ import annotations
 
+import numba
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +117,42 @@ def test_deterministic_bitwise():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case_id", ["gqa", "n1", "global-row-spans-panels"])
+def test_backward_per_worker_dq_buffers(threads, case_id):
+    """dQ is summed from one buffer per worker (some get no task when there are fewer key blocks
+    than workers): exact at any thread count, bitwise reproducible at a given one."""
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"needs {threads} Numba threads")
+    (q, k, v), layout = _inputs(CASES[IDS.index(case_id)], torch.float64)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        first, second = _run("numba", q, k, v, layout), _run("numba", q, k, v, layout)
+    finally:
+        numba.set_num_threads(previous)
+    _, _, ref_grads = _run("reference", q, k, v, layout)
+    for grad, again, ref in zip(first[2], second[2], ref_grads):
+        assert torch.equal(grad, again)
+        torch.testing.assert_close(grad, ref, atol=1e-10, rtol=0)
+
+
+def test_static_schedule_deals_every_task_once_balanced():
+    costs = np.array([80, 1, 9, 9, 10, 0, 10, 9, 9, 1], np.int64)
+    order = numba_cpu._heaviest_first(costs)
+    for workers in (1, 2, 3, 16):
+        ptr, tasks = numba_cpu._static_schedule(order, costs, workers)
+        assert ptr[0] == 0 and ptr[-1] == len(costs) and np.all(np.diff(ptr) >= 0)
+        assert sorted(tasks) == list(range(len(costs)))
+        loads = [int((costs[tasks[ptr[w]:ptr[w + 1]]] + 1).sum()) for w in range(workers)]
+        assert max(loads) - min(loads) <= 81                                      # LPT: within the heaviest task
+        again = numba_cpu._static_schedule(order, costs, workers)
+        assert np.array_equal(ptr, again[0]) and np.array_equal(tasks, again[1])
+    ptr, tasks = numba_cpu._static_schedule(order, costs, 2)
+    assert list(tasks[ptr[0]:ptr[1]]) == [0]                                      # the global task alone
+    assert sorted(tasks[ptr[1]:ptr[2]]) == list(range(1, 10))
 
 
 def test_gradcheck_float64():

@@ -8,39 +8,50 @@ torch.Size([1, 2, 1000, 32])
 
 Algorithm
 ---------
-Work is cut into *tasks*, one per (example, head, query block) in the forward and the dQ pass,
-one per (example, kv head, key block) in the dK/dV pass. A task owns its output rows, so tasks
-never write to the same memory: no races, no atomics on data, bitwise-deterministic results.
+Work is cut into *tasks*, one per (example, head, query block) in the forward and one per
+(example, kv head, key block) in the backward.
 
 Forward task (query block ``r`` of head ``h``), FlashAttention's online softmax:
 
-1. ``qs = q[r] * scale * log2(e)`` (rows, D), so scores come out in base 2 and ``exp2`` is used.
-2. Walk the row's key blocks (full and partial CSR lists merged in key order) in *panels*: runs of
+1. Walk the row's key blocks (full and partial CSR lists merged in key order) in *panels*: runs of
    consecutive key blocks, up to ``_PANEL_KEYS`` keys. A Longformer row is one panel for its band
    plus one for the global column, so the scores are a few big matmuls, not many small ones.
-3. Per panel: ``S = qs @ k[panel].T`` (BLAS sgemm/dgemm), ``-inf`` where a partial block's tile is
-   False, then per row: new max ``m'``, ``P = exp2(S - m')``, ``l = l * exp2(m - m') + sum(P)``,
-   ``acc = acc * exp2(m - m') + P @ v[panel]``.
-4. ``out = acc / l``, ``lse = (m + log2 l) * ln 2``; a row with no allowed key keeps ``l = 0`` and
+2. Per panel: ``S = (scale log2(e)) q[r] @ k[panel].T`` (BLAS sgemm/dgemm, scores in base 2 so
+   ``exp2`` is used), ``-inf`` where a partial block's tile is False, then per row: new max ``m'``,
+   ``P = exp2(S - m')``, ``l = l * exp2(m - m') + sum(P)``, ``acc = acc * exp2(m - m') + P @ v[panel]``
+   (the gemm accumulates into acc: beta = 1).
+3. ``out = acc / l``, ``lse = (m + log2 l) * ln 2``; a row with no allowed key keeps ``l = 0`` and
    returns 0 and ``lse = -inf``.
 
 The last block may be shorter than ``block_size``: panels are clipped to ``n_k`` and the query
 block to ``n_q``, so full blocks need no mask; partial tiles are already False outside.
 
 Backward (FlashAttention-2, recomputing ``P = exp2(S - lse2)`` from q, k and the saved lse;
-``lse2 = lse * log2(e)``, ``+inf`` for empty rows so their ``P`` is exactly 0):
+``lse2 = lse * log2(e)``, ``+inf`` for empty rows so their ``P`` is exactly 0): one pass over key
+blocks, 5 matmuls per computed block. ``delta = rowsum(dO * O) - dlse`` (torch, O(N)); a task
+(key block ``c`` of kv head ``g``) walks, for every query head of its GQA group, its query blocks
+(transposed CSR) in panels and computes ``S.T = k[c] @ q[panel].T``, ``dP.T = v[c] @ dO[panel].T``,
+``P.T``, ``dS.T = P.T * (dP.T - delta)``, then ``dV[c] += P.T @ dO[panel]``,
+``dK[c] += scale dS.T @ q[panel]`` (rows the task owns) and ``dQ[panel] += scale dS @ k[c]``.
 
-- ``delta = rowsum(dO * O) - dlse`` (torch, O(N)); then ``dS = P * (dP - delta)`` with ``dP = dO @ v.T``.
-- dQ pass, one task per query block, panels over its key blocks: ``dQ += dS @ k[panel]``.
-- dK/dV pass, one task per key block (transposed CSR), panels over its query blocks and every
-  query head of its GQA group: ``dV += P.T @ dO[panel]``, ``dK += dS.T @ q[panel]``.
+Scheduling and determinism:
 
-Scheduling: ``prange`` over one worker per thread; workers take tasks from a shared counter
-(an atomic fetch-add: Numba's OpenMP ``prange`` splits iterations statically, which would give
-one thread all the heavy global rows), in heaviest-first order (rows by block count), so the dense
-global rows start first and the light band rows fill in. Each worker allocates its scratch once
-(a panel of scores, its probabilities' twin for dP, accumulators): O(threads x block x panel)
-memory beyond inputs, outputs and gradients, which are all O(N x D).
+- Forward: ``prange`` over one worker per thread; workers take tasks from a shared counter (an
+  atomic fetch-add: Numba's OpenMP ``prange`` splits iterations statically, which would give one
+  thread all the heavy global rows), in heaviest-first order (rows by block count). A task owns
+  its output rows, so the result does not depend on which worker ran it.
+- Backward: dK and dV rows are owned by their task, but dQ rows get terms from many key blocks.
+  The tasks are dealt *statically* to the workers (heaviest first, each to the least-loaded
+  worker so far: a function of the layout and the thread count only); worker ``w`` adds its dQ
+  terms, in its fixed task order, into its own dQ-sized buffer (``dq`` itself for worker 0), and
+  the buffers are summed in worker order at the end. No atomics on data, no races, and two runs
+  with the same thread count are bitwise identical.
+
+Memory beyond inputs, outputs and gradients: O(N) (lse, delta, task lists), per-worker scratch of
+two ``block x _PANEL_KEYS`` panels, and ``threads - 1`` dQ-sized buffers in the backward: O(N x D).
+
+Matmuls call BLAS ?gemm directly (the binding Numba's ``np.dot`` uses), with alpha, beta and
+transposes, so there are no temporary products or extra additions.
 
 Precision: float32 and float64 are computed in their own dtype (float32 with a vectorisable
 degree-7 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML); float16 and
@@ -183,7 +194,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                   full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
                   part_t_mask.numpy(), masks.numpy(), ptr, tasks, block_size, _panel_blocks(block_size),
                   _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
-        _sum_parts(dq.view(-1, q.shape[-1]).numpy(), dq_parts.view(workers - 1, -1, q.shape[-1]).numpy())
+        rows = batch * heads * q.shape[2]
+        _sum_parts(dq.view(rows, q.shape[3]).numpy(), dq_parts.view(workers - 1, rows, q.shape[3]).numpy())
     return dq, dk, dv
 
 
