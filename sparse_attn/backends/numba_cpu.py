@@ -78,7 +78,8 @@ from numba.np.linalg import check_blas_return, ensure_blas
 from ..layout import BlockLayout
 
 BLOCK_SIZE = 64
-_PANEL_KEYS = 512  # keys (or queries, in the dK/dV pass) per matmul panel
+_PANEL_KEYS = 512  # keys (or queries, in the backward) per matmul panel
+_LANES = 16  # running maxima per row in _row_max: one AVX-512 float32 vector
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 # No 'nnan'/'ninf': -inf marks masked scores and empty rows, and must survive.
@@ -387,22 +388,32 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
 
 
 @njit(cache=True, fastmath=_FASTMATH | {"nnan"})
-def _row_max(row, start):
-    """max(start, row) of a 1-D row; 'nnan' lets LLVM vectorise the reduction (scores are never NaN)."""
+def _row_max(row, start, lanes):
+    """max(start, row) of a 1-D row, with ``lanes`` (a scratch array, (_LANES,)) holding
+    running maxima of the row's columns mod _LANES: this loop vectorises, a single running max
+    does not (LLVM only vectorises float max reductions under function-level no-NaN attributes)."""
+    n = row.size
+    lanes[:] = start
+    for j0 in range(0, n - _LANES + 1, _LANES):
+        for u in range(_LANES):
+            x = row[j0 + u]
+            lanes[u] = x if x > lanes[u] else lanes[u]
     best = start
-    for x in row:
-        best = x if x > best else best
+    for u in range(_LANES):
+        best = lanes[u] if lanes[u] > best else best
+    for j in range(n - n % _LANES, n):
+        best = row[j] if row[j] > best else best
     return best
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _online_softmax(s, m, l, acc):
+def _online_softmax(s, m, l, acc, lanes):
     """s (rows, W) base-2 scores -> probabilities relative to the updated running max m;
     rescales the running sum l and the output accumulator acc (rows, D) accordingly."""
     rows, width = s.shape
     for i in range(rows):
         row = s[i]
-        m_new = _row_max(row, m[i])
+        m_new = _row_max(row, m[i], lanes)
         if m_new == -np.inf:                             # nothing allowed yet in this row
             row[:] = 0
             continue
@@ -442,7 +453,7 @@ def _panel(buffer, rows, width):
 # ------------------------------------------------------------------------------------------------
 @njit(cache=True, fastmath=_FASTMATH)
 def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks, qscale,
-                 scores, acc, m, l, tiles, out, lse):
+                 scores, acc, m, l, lanes, tiles, out, lse):
     """One query block: q (rows, D); k, v (Nk, D) of its kv head; writes out (rows, D) and lse (rows,)."""
     rows, dim = q.shape
     m[:rows] = -np.inf
@@ -456,7 +467,7 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_si
         s = _panel(scores, rows, width)                                          # (rows, W)
         _gemm(qscale, q, False, k[j0:j0 + width], True, zero, s)                 # base-2 scores
         _mask_panel(s, tiles, count, block_size, masks, False)
-        _online_softmax(s, m, l, acc[:rows])
+        _online_softmax(s, m, l, acc[:rows], lanes)
         _gemm(one, s, False, v[j0:j0 + width], False, one, acc[:rows])           # acc += P @ v
     for i in range(rows):
         if l[i] > 0:
@@ -483,6 +494,7 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
         acc = np.empty((block_size, dim), q.dtype)
         m = np.empty(block_size, q.dtype)
         l = np.empty(block_size, q.dtype)
+        lanes = np.empty(_LANES, q.dtype)
         tiles = np.empty(max_blocks, np.int64)
         while True:
             t = _fetch_add(counter)
@@ -496,7 +508,7 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
             _forward_row(q[b, h, i0:i0 + rows], k[b, h // group], v[b, h // group], n_k,
                          full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
                          part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
-                         block_size, max_blocks, qscale, scores, acc, m, l, tiles,
+                         block_size, max_blocks, qscale, scores, acc, m, l, lanes, tiles,
                          out[b, h, i0:i0 + rows], lse[b, h, i0:i0 + rows])
 
 
