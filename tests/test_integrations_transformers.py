@@ -177,6 +177,17 @@ def test_to_long_model_tiles_positions_and_runs():
         assert torch.isfinite(loss)
 
 
+def test_save_and_reload_keep_the_pattern_and_positions(tmp_path):
+    torch.manual_seed(0)
+    model = to_long_model(AutoModel.from_config(_config("bert", max_position_embeddings=64)), 256,
+                          sa.Local(8) | sa.Global(first=1)).eval()
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModel.from_pretrained(tmp_path, attn_implementation="sparse_attn").eval()
+    assert sa.Pattern.from_dict(reloaded.config.sparse_attn_pattern) == sa.Local(8) | sa.Global(first=1)
+    ids = torch.randint(3, VOCAB, (2, 256))
+    torch.testing.assert_close(reloaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
 def test_errors():
     with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern"):
         register("local")
