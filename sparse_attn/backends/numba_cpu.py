@@ -174,29 +174,31 @@ def _(q, k, v, *layout_and_args):
 
 @torch.library.custom_op("sparse_attn::numba_attention_backward", mutates_args=())
 def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             lse: torch.Tensor, delta: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor,
                              full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor,
                              part_idx: torch.Tensor, part_mask: torch.Tensor, masks: torch.Tensor,
                              full_t_ptr: torch.Tensor, full_t_idx: torch.Tensor, part_t_ptr: torch.Tensor,
                              part_t_idx: torch.Tensor, part_t_mask: torch.Tensor, block_size: int,
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward kernels: (dq, dk, dv) from dout and delta = rowsum(dout * out) - dlse."""
-    dout, q, k, v = dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
-    lse2 = torch.where(torch.isinf(lse), math.inf, lse * _LOG2E).contiguous()  # (B, Hq, Nq) base 2
-    delta = delta.contiguous()
-    batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    """Backward kernel: (dq, dk, dv) from dout and dlse, the gradients of out and lse."""
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
-    costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, kv_heads)
+    costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, k.shape[1])
     ptr, tasks = _static_schedule(_heaviest_first(costs), costs, workers)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq_parts = q.new_zeros((workers - 1, *q.shape))                              # (W-1, B, Hq, Nq, D)
+    # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)                   # (B, Hq, Nq)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_parts = q.new_empty((workers - 1, *q.shape))                              # (W-1, B, Hq, Nq, D)
+    rows = batch * heads * n_q
+    _delta_lse2(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.contiguous().view(rows).numpy(),
+                dlse.contiguous().view(rows).numpy(), _as(q, _LOG2E), delta.view(rows).numpy(), lse2.view(rows).numpy())
     with _single_threaded_blas():
-        _backward(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(),
-                  full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
-                  part_t_mask.numpy(), masks.numpy(), ptr, tasks, block_size, _panel_blocks(block_size),
-                  _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
-        rows = batch * heads * q.shape[2]
-        _sum_parts(dq.view(rows, q.shape[3]).numpy(), dq_parts.view(workers - 1, rows, q.shape[3]).numpy())
+        _backward_kernel(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(),
+                         full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
+                         part_t_mask.numpy(), masks.numpy(), ptr, tasks, block_size, _panel_blocks(block_size),
+                         _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
+    _sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy())
     return dq, dk, dv
 
 
@@ -212,16 +214,15 @@ def _setup_context(ctx, inputs, output):
     ctx.block_size, ctx.scale = block_size, scale
 
 
-def _backward(ctx, dout, dlse):
+def _autograd_backward(ctx, dout, dlse):
     q, k, v, out, lse, *layout = ctx.saved_tensors
-    delta = (dout * out).sum(-1, dtype=lse.dtype)                                # (B, Hq, Nq)
-    if dlse is not None:
-        delta = delta - dlse
-    dq, dk, dv = numba_attention_backward(dout, q, k, v, lse, delta, *layout, ctx.block_size, ctx.scale)
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    dq, dk, dv = numba_attention_backward(dout, q, k, v, out, lse, dlse, *layout, ctx.block_size, ctx.scale)
     return (dq, dk, dv) + (None,) * (len(layout) + 2)
 
 
-numba_attention.register_autograd(_backward, setup_context=_setup_context)
+numba_attention.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _as(t: torch.Tensor, x: float):
@@ -561,11 +562,11 @@ def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _backward(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
+def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
               ptr, tasks, block_size, max_blocks, qscale, scale, dq, dq_parts, dk, dv):
     """One pass over key blocks. Worker w runs its static share ``tasks[ptr[w]:ptr[w + 1]]``; each
-    task writes its own rows of dk and dv and adds its dQ terms to worker w's buffer (dq itself
-    for w = 0, dq_parts[w - 1] otherwise). dq, dk, dv and dq_parts arrive zeroed."""
+    task zeroes and then accumulates its own rows of dk and dv, and adds its dQ terms to worker w's
+    buffer (dq itself for w = 0, dq_parts[w - 1] otherwise), which the worker zeroes first."""
     batch, heads, n_q, dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -576,12 +577,15 @@ def _backward(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, pa
         dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
         tiles = np.empty(max_blocks, np.int64)
         buffer = dq if w == 0 else dq_parts[w - 1]
+        buffer.reshape(-1)[:] = 0
         for t in range(ptr[w], ptr[w + 1]):
             task = tasks[t]
             b, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
             j0 = c * block_size
             cols = min(block_size, n_k - j0)
             lb = 0 if shared_b else b
+            dk[b, g, j0:j0 + cols] = 0
+            dv[b, g, j0:j0 + cols] = 0
             for h in range(g * group, (g + 1) * group):
                 lh = 0 if shared_h else h
                 _backward_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h],
@@ -589,6 +593,20 @@ def _backward(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, pa
                                part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
                                block_size, max_blocks, qscale, scale, scores, dscores, tiles,
                                dk[b, g, j0:j0 + cols], dv[b, g, j0:j0 + cols], buffer[b, h])
+
+
+@njit(cache=True, fastmath=_FASTMATH, parallel=True)
+def _delta_lse2(out, dout, lse, dlse, log2e, delta, lse2):
+    """Per query row: delta = rowsum(dout * out) - dlse, and lse2 = lse * log2(e) in base 2 with
+    +inf for empty rows (lse = -inf), so that their P = exp2(S - lse2) is exactly 0.
+    out, dout (R, D); lse, dlse, delta, lse2 (R,)."""
+    rows, dim = out.shape
+    for i in prange(rows):
+        total = log2e - log2e                            # a zero of the dtype
+        for d in range(dim):
+            total += dout[i, d] * out[i, d]
+        delta[i] = total - dlse[i]
+        lse2[i] = np.inf if lse[i] == -np.inf else lse[i] * log2e
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
