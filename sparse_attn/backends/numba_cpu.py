@@ -78,7 +78,7 @@ from numba.np.linalg import check_blas_return, ensure_blas
 from ..layout import BlockLayout
 
 BLOCK_SIZE = 64
-_PANEL_KEYS = 512  # keys (or queries, in the backward) per matmul panel
+_PANEL_KEYS = 1024  # keys (or queries, in the backward) per score panel
 _LANES = 16  # running maxima per row in _row_max: one AVX-512 float32 vector
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -342,27 +342,39 @@ def _exp2_impl(x):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles):
-    """Next run of consecutive blocks from two sorted CSR segments (full ``idx[a:b]`` and
-    partial ``p_idx[pa:pb]``), at most ``max_blocks`` long. ``tiles[i]`` gets the mask tile of
-    the run's i-th block (-1: full). Returns (first block, run length, new a, new pa)."""
-    first = -1
+def _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, blocks, tiles):
+    """The next (up to ``max_blocks``) blocks of two sorted CSR segments (full ``idx[a:b]`` and
+    partial ``p_idx[pa:pb]``), merged in order: ``blocks[i]`` gets the panel's i-th block and
+    ``tiles[i]`` its mask tile (-1: full). Returns (block count, new a, new pa)."""
     count = 0
     while count < max_blocks and (a < b or pa < pb):
         take_full = pa >= pb or (a < b and idx[a] < p_idx[pa])
-        block = idx[a] if take_full else p_idx[pa]
-        if count > 0 and block != first + count:
-            break
-        if count == 0:
-            first = block
         if take_full:
-            tiles[count] = -1
+            blocks[count], tiles[count] = idx[a], -1
             a += 1
         else:
-            tiles[count] = p_tile[pa]
+            blocks[count], tiles[count] = p_idx[pa], p_tile[pa]
             pa += 1
         count += 1
-    return first, count, a, pa
+    return count, a, pa
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _run(blocks, t0, count, block_size, n):
+    """The run of consecutive blocks starting at panel position t0: (end position t1, first token,
+    token count), clipped to the sequence length n. Its columns in the panel start at t0 * block_size."""
+    t1 = t0 + 1
+    while t1 < count and blocks[t1] == blocks[t1 - 1] + 1:
+        t1 += 1
+    start = blocks[t0] * block_size
+    return t1, start, min(blocks[t1 - 1] * block_size + block_size, n) - start
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _panel_width(blocks, count, block_size, n):
+    """Columns of a panel of ``count`` blocks: only the sequence's last block may be short (and it
+    comes last)."""
+    return (count - 1) * block_size + min(block_size, n - blocks[count - 1] * block_size)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -454,7 +466,7 @@ def _panel(buffer, rows, width):
 # ------------------------------------------------------------------------------------------------
 @njit(cache=True, fastmath=_FASTMATH)
 def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks, qscale,
-                 scores, acc, m, l, lanes, tiles, out, lse):
+                 scores, acc, m, l, lanes, blocks, tiles, out, lse):
     """One query block: q (rows, D); k, v (Nk, D) of its kv head; writes out (rows, D) and lse (rows,)."""
     rows, dim = q.shape
     m[:rows] = -np.inf
@@ -462,14 +474,22 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_si
     acc[:rows] = 0
     zero, one = qscale - qscale, qscale / qscale
     while a < b or pa < pb:
-        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
-        j0 = first * block_size
-        width = min(j0 + count * block_size, n_k) - j0
-        s = _panel(scores, rows, width)                                          # (rows, W)
-        _gemm(qscale, q, False, k[j0:j0 + width], True, zero, s)                 # base-2 scores
+        count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, blocks, tiles)
+        s = _panel(scores, rows, _panel_width(blocks, count, block_size, n_k))  # (rows, W)
+        t = 0
+        while t < count:                                                         # base-2 scores, run by run
+            end, j0, n = _run(blocks, t, count, block_size, n_k)
+            off = t * block_size
+            _gemm(qscale, q, False, k[j0:j0 + n], True, zero, s[:, off:off + n])
+            t = end
         _mask_panel(s, tiles, count, block_size, masks, False)
         _online_softmax(s, m, l, acc[:rows], lanes)
-        _gemm(one, s, False, v[j0:j0 + width], False, one, acc[:rows])           # acc += P @ v
+        t = 0
+        while t < count:                                                         # acc += P @ v
+            end, j0, n = _run(blocks, t, count, block_size, n_k)
+            off = t * block_size
+            _gemm(one, s[:, off:off + n], False, v[j0:j0 + n], False, one, acc[:rows])
+            t = end
     for i in range(rows):
         if l[i] > 0:
             inv = 1 / l[i]
@@ -496,6 +516,7 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
         m = np.empty(block_size, q.dtype)
         l = np.empty(block_size, q.dtype)
         lanes = np.empty(_LANES, q.dtype)
+        blocks = np.empty(max_blocks, np.int64)
         tiles = np.empty(max_blocks, np.int64)
         while True:
             t = _fetch_add(counter)
@@ -509,7 +530,7 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
             _forward_row(q[b, h, i0:i0 + rows], k[b, h // group], v[b, h // group], n_k,
                          full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
                          part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
-                         block_size, max_blocks, qscale, scores, acc, m, l, lanes, tiles,
+                         block_size, max_blocks, qscale, scores, acc, m, l, lanes, blocks, tiles,
                          out[b, h, i0:i0 + rows], lse[b, h, i0:i0 + rows])
 
 
@@ -540,25 +561,35 @@ def _static_schedule(order, costs, n_workers):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size,
-                   max_blocks, qscale, scale, scores, dscores, tiles, dk, dv, dq):
+                   max_blocks, qscale, scale, scores, dscores, lse2_p, delta_p, blocks, tiles, dk, dv, dq):
     """One key block against one query head: adds to dk, dv (cols, D) and to that head's
     dq (Nq, D). kc, vc (cols, D); q, do (Nq, D) and lse2, delta (Nq,) of the query head."""
     cols, dim = kc.shape
     zero, one = scale - scale, scale / scale
     while a < b or pa < pb:
-        first, count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, tiles)
-        i0 = first * block_size
-        width = min(i0 + count * block_size, n_q) - i0
-        qp, dop = q[i0:i0 + width], do[i0:i0 + width]                            # (W, D)
+        count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, blocks, tiles)
+        width = _panel_width(blocks, count, block_size, n_q)
         st = _panel(scores, cols, width)                                         # (cols, W) = S.T
-        _gemm(one, kc, False, qp, True, zero, st)
-        _mask_panel(st, tiles, count, block_size, masks, True)
         dpt = _panel(dscores, cols, width)                                       # (cols, W) = dP.T
-        _gemm(one, vc, False, dop, True, zero, dpt)
-        _grad_scores_t(st, dpt, lse2[i0:i0 + width], delta[i0:i0 + width], qscale)  # st = dS.T, dpt = P.T
-        _gemm(one, dpt, False, dop, False, one, dv)                              # dv += P.T @ dO
-        _gemm(scale, st, False, qp, False, one, dk)                              # dk += dS.T @ q
-        _gemm(scale, st, True, kc, False, one, dq[i0:i0 + width])                # dq += dS @ k
+        t = 0
+        while t < count:                                                         # run by run of query blocks
+            end, i0, n = _run(blocks, t, count, block_size, n_q)
+            off = t * block_size
+            _gemm(one, kc, False, q[i0:i0 + n], True, zero, st[:, off:off + n])
+            _gemm(one, vc, False, do[i0:i0 + n], True, zero, dpt[:, off:off + n])
+            lse2_p[off:off + n] = lse2[i0:i0 + n]
+            delta_p[off:off + n] = delta[i0:i0 + n]
+            t = end
+        _mask_panel(st, tiles, count, block_size, masks, True)
+        _grad_scores_t(st, dpt, lse2_p[:width], delta_p[:width], qscale)         # st = dS.T, dpt = P.T
+        t = 0
+        while t < count:
+            end, i0, n = _run(blocks, t, count, block_size, n_q)
+            off = t * block_size
+            _gemm(one, dpt[:, off:off + n], False, do[i0:i0 + n], False, one, dv)    # dv += P.T @ dO
+            _gemm(scale, st[:, off:off + n], False, q[i0:i0 + n], False, one, dk)    # dk += dS.T @ q
+            _gemm(scale, st[:, off:off + n], True, kc, False, one, dq[i0:i0 + n])    # dq += dS @ k
+            t = end
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
@@ -575,6 +606,9 @@ def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_
     for w in prange(ptr.size - 1):
         scores = np.empty(block_size * max_blocks * block_size, q.dtype)
         dscores = np.empty(block_size * max_blocks * block_size, q.dtype)
+        lse2_p = np.empty(max_blocks * block_size, q.dtype)
+        delta_p = np.empty(max_blocks * block_size, q.dtype)
+        blocks = np.empty(max_blocks, np.int64)
         tiles = np.empty(max_blocks, np.int64)
         buffer = dq if w == 0 else dq_parts[w - 1]
         buffer.reshape(-1)[:] = 0
@@ -591,7 +625,7 @@ def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_
                 _backward_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h],
                                delta[b, h], n_q, full_t_idx, full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1],
                                part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
-                               block_size, max_blocks, qscale, scale, scores, dscores, tiles,
+                               block_size, max_blocks, qscale, scale, scores, dscores, lse2_p, delta_p, blocks, tiles,
                                dk[b, g, j0:j0 + cols], dv[b, g, j0:j0 + cols], buffer[b, h])
 
 
