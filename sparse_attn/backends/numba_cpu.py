@@ -13,13 +13,15 @@ Work is cut into *tasks*, one per (example, head, query block) in the forward an
 
 Forward task (query block ``r`` of head ``h``), FlashAttention's online softmax:
 
-1. Walk the row's key blocks (full and partial CSR lists merged in key order) in *panels*: runs of
-   consecutive key blocks, up to ``_PANEL_KEYS`` keys. A Longformer row is one panel for its band
-   plus one for the global column, so the scores are a few big matmuls, not many small ones.
-2. Per panel: ``S = (scale log2(e)) q[r] @ k[panel].T`` (BLAS sgemm/dgemm, scores in base 2 so
-   ``exp2`` is used), ``-inf`` where a partial block's tile is False, then per row: new max ``m'``,
-   ``P = exp2(S - m')``, ``l = l * exp2(m - m') + sum(P)``, ``acc = acc * exp2(m - m') + P @ v[panel]``
-   (the gemm accumulates into acc: beta = 1).
+1. Walk the row's key blocks (full and partial CSR lists merged in key order) in *panels* of up
+   to ``_PANEL_KEYS`` keys. A panel is made of *runs* of consecutive key blocks, each run one
+   matmul into its columns of the panel's score tile: a Longformer row (band plus global column)
+   is one panel of two runs, so its softmax is one pass and its matmuls are few and large.
+2. Per panel: ``S = (scale log2(e)) q[r] @ k[run].T`` per run (BLAS sgemm/dgemm, scores in base 2
+   so ``exp2`` is used), ``-inf`` where a partial block's tile is False, then per row: new max
+   ``m'`` (16 running lanes, so the reduction vectorises), ``P = exp2(S - m')``,
+   ``l = l * exp2(m - m') + sum(P)``, ``acc = acc * exp2(m - m') + P @ v[run]`` per run (the gemm
+   accumulates into acc: beta = 1).
 3. ``out = acc / l``, ``lse = (m + log2 l) * ln 2``; a row with no allowed key keeps ``l = 0`` and
    returns 0 and ``lse = -inf``.
 
@@ -28,11 +30,12 @@ block to ``n_q``, so full blocks need no mask; partial tiles are already False o
 
 Backward (FlashAttention-2, recomputing ``P = exp2(S - lse2)`` from q, k and the saved lse;
 ``lse2 = lse * log2(e)``, ``+inf`` for empty rows so their ``P`` is exactly 0): one pass over key
-blocks, 5 matmuls per computed block. ``delta = rowsum(dO * O) - dlse`` (torch, O(N)); a task
-(key block ``c`` of kv head ``g``) walks, for every query head of its GQA group, its query blocks
-(transposed CSR) in panels and computes ``S.T = k[c] @ q[panel].T``, ``dP.T = v[c] @ dO[panel].T``,
-``P.T``, ``dS.T = P.T * (dP.T - delta)``, then ``dV[c] += P.T @ dO[panel]``,
-``dK[c] += scale dS.T @ q[panel]`` (rows the task owns) and ``dQ[panel] += scale dS @ k[c]``.
+blocks, 5 matmuls per computed block. A parallel prologue computes, per query row,
+``delta = rowsum(dO * O) - dlse`` and ``lse2``. A task (key block ``c`` of kv head ``g``) walks,
+for every query head of its GQA group, its query blocks (transposed CSR) in panels of runs, as the
+forward does, and computes ``S.T = k[c] @ q[run].T`` and ``dP.T = v[c] @ dO[run].T`` per run,
+``P.T`` and ``dS.T = P.T * (dP.T - delta)`` over the panel, then per run ``dV[c] += P.T @ dO[run]``,
+``dK[c] += scale dS.T @ q[run]`` (rows the task owns) and ``dQ[run] += scale dS @ k[c]``.
 
 Scheduling and determinism:
 
@@ -49,6 +52,7 @@ Scheduling and determinism:
 
 Memory beyond inputs, outputs and gradients: O(N) (lse, delta, task lists), per-worker scratch of
 two ``block x _PANEL_KEYS`` panels, and ``threads - 1`` dQ-sized buffers in the backward: O(N x D).
+Gradients and dQ buffers are zeroed inside the kernel by the worker that owns them.
 
 Matmuls call BLAS ?gemm directly (the binding Numba's ``np.dot`` uses), with alpha, beta and
 transposes, so there are no temporary products or extra additions.
