@@ -10,8 +10,9 @@ from .pattern import (Causal, Dense, Dilated, Global, Intersection, Local, Patte
 from .layout import BlockLayout
 from .api import sparse_attention
 from .weights import attention_weights
+from . import nn
 from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
 
 __all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Union",
            "Intersection", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
-           "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern"]
+           "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern", "nn"]

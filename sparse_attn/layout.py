@@ -270,9 +270,14 @@ class BlockLayout:
 # ------------------------------------------------------------------------------------------------
 # Building
 # ------------------------------------------------------------------------------------------------
+@torch.compiler.disable  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_size: int, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
-    """See :meth:`Pattern.layout`. Layouts without call-time masks are cached."""
+    """See :meth:`Pattern.layout`. Layouts without call-time masks are cached.
+
+    Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
+    the compiled function and pass it to ``sparse_attention``.
+    """
     _check_pattern("pattern", pattern)
     n_q, n_k = _check_lengths(n_q, n_k)
     _check_int("heads", heads, 1)

@@ -24,9 +24,6 @@ from torch import nn
 from .api import sparse_attention
 from .pattern import Dense, Pattern
 
-# Layouts are built on the host from the masks' values (numpy), which torch.compile cannot trace: the
-# attention call is a graph break, the projections around it compile.
-_attention = torch.compiler.disable(sparse_attention)
 
 
 class SparseSelfAttention(nn.Module):
@@ -100,8 +97,8 @@ class SparseSelfAttention(nn.Module):
         q = self._split_heads(self.q_proj(x), self.num_heads)                      # (B, H, N, D)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
-        out = _attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
-                         global_mask=global_mask, backend=self.backend)           # (B, H, N, D)
+        out = sparse_attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
+                               global_mask=global_mask, backend=self.backend)     # (B, H, N, D)
         if self.global_projections and global_mask is not None:
             out = self._global_rows(x, out, key_padding_mask, global_mask)
         if key_padding_mask is not None:
@@ -121,8 +118,8 @@ class SparseSelfAttention(nn.Module):
         q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
         k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
-        rows = _attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
-                          backend=self.backend)                                   # (B, H, G, D)
+        rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
+                                backend=self.backend)                             # (B, H, G, D)
         index = index[:, None, :, None].expand(batch, heads, count, head_dim)
         rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
         return torch.where(global_mask[:, None, :, None], rows, out)

@@ -32,8 +32,6 @@ try:  # transformers >= 4.53 builds masks through a per-implementation mask func
 except ImportError:  # older versions hand the attention function a 4D mask
     AttentionMaskInterface = None
 
-# Layouts are built on the host from the mask's values, which torch.compile cannot trace: a graph break.
-_sparse_attention = torch.compiler.disable(sparse_attention)
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 _REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
 
@@ -73,9 +71,9 @@ def _attention_function(name: str):
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
-        out = _sparse_attention(query, key, value, pattern, causal=causal,
-                                key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
-                                backend=backend)                                   # (B, Hq, Nq, D)
+        out = sparse_attention(query, key, value, pattern, causal=causal,
+                               key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
+                               backend=backend)                                    # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return out.transpose(1, 2).contiguous(), None
