@@ -166,7 +166,8 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     order = _heaviest_first(_task_costs(full_ptr, part_ptr, q.shape[0], q.shape[1]))
     with _single_threaded_blas():
         _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
-                 part_idx.numpy(), part_mask.numpy(), masks.numpy(), order, numba.get_num_threads(), block_size,
+                 part_idx.numpy(), part_mask.numpy(), masks.numpy(), _tile_spans(masks, 1), order,
+                 numba.get_num_threads(), block_size,
                  _panel_blocks(block_size), _as(q, scale * _LOG2E), out.numpy(), lse.numpy())
     return out, lse
 
@@ -200,7 +201,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     with _single_threaded_blas():
         _backward_kernel(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(),
                          full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
-                         part_t_mask.numpy(), masks.numpy(), ptr, tasks, block_size, _panel_blocks(block_size),
+                         part_t_mask.numpy(), masks.numpy(), _tile_spans(masks, 0), ptr, tasks, block_size,
+                         _panel_blocks(block_size),
                          _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
     _sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy())
     return dq, dk, dv
@@ -227,6 +229,16 @@ def _autograd_backward(ctx, dout, dlse):
 
 
 numba_attention.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _tile_spans(masks: torch.Tensor, axis: int) -> np.ndarray:
+    """(n_masks, 2) int64: the [first, last + 1) query rows (axis 0) or key columns (axis 1) of each
+    tile with at least one allowed pair; a block alone in its run is computed only on that span
+    (the global column's tile of a Longformer band row has 16 of 64 keys)."""
+    active = masks.numpy().any(axis=2 - axis)                                   # (n_masks, bs)
+    first = np.where(active.any(1), active.argmax(1), 0)
+    last = np.where(active.any(1), active.shape[1] - active[:, ::-1].argmax(1), 0)
+    return np.stack([first, last], 1).astype(np.int64)
 
 
 def _as(t: torch.Tensor, x: float):
@@ -375,6 +387,14 @@ def _run(blocks, t0, count, block_size, n):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
+def _run_span(t0, t1, n, tiles, spans):
+    """[lo, hi) of a run's n tokens to compute: a single partial block's tile span, else all."""
+    if t1 == t0 + 1 and tiles[t0] >= 0:
+        return spans[tiles[t0], 0], min(spans[tiles[t0], 1], n)
+    return 0, n
+
+
+@njit(cache=True, fastmath=_FASTMATH)
 def _panel_width(blocks, count, block_size, n):
     """Columns of a panel of ``count`` blocks: only the sequence's last block may be short (and it
     comes last)."""
@@ -469,7 +489,7 @@ def _panel(buffer, rows, width):
 # Forward
 # ------------------------------------------------------------------------------------------------
 @njit(cache=True, fastmath=_FASTMATH)
-def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size, max_blocks, qscale,
+def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, spans, block_size, max_blocks, qscale,
                  scores, acc, m, l, lanes, blocks, tiles, out, lse):
     """One query block: q (rows, D); k, v (Nk, D) of its kv head; writes out (rows, D) and lse (rows,)."""
     rows, dim = q.shape
@@ -483,16 +503,18 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_si
         t = 0
         while t < count:                                                         # base-2 scores, run by run
             end, j0, n = _run(blocks, t, count, block_size, n_k)
+            lo, hi = _run_span(t, end, n, tiles, spans)                          # the mask sets the rest
             off = t * block_size
-            _gemm(qscale, q, False, k[j0:j0 + n], True, zero, s[:, off:off + n])
+            _gemm(qscale, q, False, k[j0 + lo:j0 + hi], True, zero, s[:, off + lo:off + hi])
             t = end
         _mask_panel(s, tiles, count, block_size, masks, False)
         _online_softmax(s, m, l, acc[:rows], lanes)
         t = 0
         while t < count:                                                         # acc += P @ v
             end, j0, n = _run(blocks, t, count, block_size, n_k)
+            lo, hi = _run_span(t, end, n, tiles, spans)
             off = t * block_size
-            _gemm(one, s[:, off:off + n], False, v[j0:j0 + n], False, one, acc[:rows])
+            _gemm(one, s[:, off + lo:off + hi], False, v[j0 + lo:j0 + hi], False, one, acc[:rows])
             t = end
     for i in range(rows):
         if l[i] > 0:
@@ -506,7 +528,7 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, block_si
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, order, n_workers, block_size,
+def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, spans, order, n_workers, block_size,
              max_blocks, qscale, out, lse):
     batch, heads, n_q, dim = q.shape
     group = heads // k.shape[1]
@@ -533,7 +555,7 @@ def _forward(q, k, v, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, 
             rows = min(block_size, n_q - i0)
             _forward_row(q[b, h, i0:i0 + rows], k[b, h // group], v[b, h // group], n_k,
                          full_idx, full_ptr[lb, lh, r], full_ptr[lb, lh, r + 1],
-                         part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks,
+                         part_idx, part_mask, part_ptr[lb, lh, r], part_ptr[lb, lh, r + 1], masks, spans,
                          block_size, max_blocks, qscale, scores, acc, m, l, lanes, blocks, tiles,
                          out[b, h, i0:i0 + rows], lse[b, h, i0:i0 + rows])
 
@@ -564,7 +586,7 @@ def _static_schedule(order, costs, n_workers):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, block_size,
+def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa, pb, masks, spans, block_size,
                    max_blocks, qscale, scale, scores, dscores, lse2_p, delta_p, blocks, tiles, dk, dv, dq):
     """One key block against one query head: adds to dk, dv (cols, D) and to that head's
     dq (Nq, D). kc, vc (cols, D); q, do (Nq, D) and lse2, delta (Nq,) of the query head."""
@@ -578,9 +600,12 @@ def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa
         t = 0
         while t < count:                                                         # run by run of query blocks
             end, i0, n = _run(blocks, t, count, block_size, n_q)
+            lo, hi = _run_span(t, end, n, tiles, spans)                          # the mask sets st elsewhere
             off = t * block_size
-            _gemm(one, kc, False, q[i0:i0 + n], True, zero, st[:, off:off + n])
-            _gemm(one, vc, False, do[i0:i0 + n], True, zero, dpt[:, off:off + n])
+            _gemm(one, kc, False, q[i0 + lo:i0 + hi], True, zero, st[:, off + lo:off + hi])
+            _gemm(one, vc, False, do[i0 + lo:i0 + hi], True, zero, dpt[:, off + lo:off + hi])
+            dpt[:, off:off + lo] = 0                                             # finite, so dS = 0 * (0 - delta)
+            dpt[:, off + hi:off + n] = 0
             lse2_p[off:off + n] = lse2[i0:i0 + n]
             delta_p[off:off + n] = delta[i0:i0 + n]
             t = end
@@ -589,16 +614,17 @@ def _backward_head(kc, vc, q, do, lse2, delta, n_q, idx, a, b, p_idx, p_tile, pa
         t = 0
         while t < count:
             end, i0, n = _run(blocks, t, count, block_size, n_q)
-            off = t * block_size
-            _gemm(one, dpt[:, off:off + n], False, do[i0:i0 + n], False, one, dv)    # dv += P.T @ dO
-            _gemm(scale, st[:, off:off + n], False, q[i0:i0 + n], False, one, dk)    # dk += dS.T @ q
-            _gemm(scale, st[:, off:off + n], True, kc, False, one, dq[i0:i0 + n])    # dq += dS @ k
+            lo, hi = _run_span(t, end, n, tiles, spans)
+            a0, a1, c0, c1 = i0 + lo, i0 + hi, t * block_size + lo, t * block_size + hi
+            _gemm(one, dpt[:, c0:c1], False, do[a0:a1], False, one, dv)             # dv += P.T @ dO
+            _gemm(scale, st[:, c0:c1], False, q[a0:a1], False, one, dk)             # dk += dS.T @ q
+            _gemm(scale, st[:, c0:c1], True, kc, False, one, dq[a0:a1])             # dq += dS @ k
             t = end
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
-              ptr, tasks, block_size, max_blocks, qscale, scale, dq, dq_parts, dk, dv):
+def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask,
+                     masks, spans, ptr, tasks, block_size, max_blocks, qscale, scale, dq, dq_parts, dk, dv):
     """One pass over key blocks. Worker w runs its static share ``tasks[ptr[w]:ptr[w + 1]]``; each
     task zeroes and then accumulates its own rows of dk and dv, and adds its dQ terms to worker w's
     buffer (dq itself for w = 0, dq_parts[w - 1] otherwise), which the worker zeroes first."""
@@ -628,7 +654,7 @@ def _backward_kernel(q, k, v, dout, lse2, delta, full_t_ptr, full_t_idx, part_t_
                 lh = 0 if shared_h else h
                 _backward_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], q[b, h], dout[b, h], lse2[b, h],
                                delta[b, h], n_q, full_t_idx, full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1],
-                               part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks,
+                               part_t_idx, part_t_mask, part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks, spans,
                                block_size, max_blocks, qscale, scale, scores, dscores, lse2_p, delta_p, blocks, tiles,
                                dk[b, g, j0:j0 + cols], dv[b, g, j0:j0 + cols], buffer[b, h])
 
