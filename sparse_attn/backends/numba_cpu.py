@@ -21,7 +21,9 @@ Forward task (query block ``r`` of head ``h``), FlashAttention's online softmax:
    so ``exp2`` is used), ``-inf`` where a partial block's tile is False, then per row: new max
    ``m'`` (16 running lanes, so the reduction vectorises), ``P = exp2(S - m')``,
    ``l = l * exp2(m - m') + sum(P)``, ``acc = acc * exp2(m - m') + P @ v[run]`` per run (the gemm
-   accumulates into acc: beta = 1).
+   accumulates into acc: beta = 1). A partial block alone in its run is computed only on its
+   tile's span of allowed keys (a Longformer band row's global-column block: 16 of 64 keys); the
+   mask sets the rest of its columns to ``-inf``.
 3. ``out = acc / l``, ``lse = (m + log2 l) * ln 2``; a row with no allowed key keeps ``l = 0`` and
    returns 0 and ``lse = -inf``.
 
@@ -35,7 +37,9 @@ blocks, 5 matmuls per computed block. A parallel prologue computes, per query ro
 for every query head of its GQA group, its query blocks (transposed CSR) in panels of runs, as the
 forward does, and computes ``S.T = k[c] @ q[run].T`` and ``dP.T = v[c] @ dO[run].T`` per run,
 ``P.T`` and ``dS.T = P.T * (dP.T - delta)`` over the panel, then per run ``dV[c] += P.T @ dO[run]``,
-``dK[c] += scale dS.T @ q[run]`` (rows the task owns) and ``dQ[run] += scale dS @ k[c]``.
+``dK[c] += scale dS.T @ q[run]`` (rows the task owns) and ``dQ[run] += scale dS @ k[c]``; a
+partial block alone in its run is computed only on its tile's span of allowed queries (the
+global rows' block: 16 of 64 queries).
 
 Scheduling and determinism:
 
