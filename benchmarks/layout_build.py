@@ -73,7 +73,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "layout_build.json").write_text(json.dumps({"machine": machine, "command": command.strip(),
                                                             "results": rows}, indent=1))
-    lines = [f"# Layout build time and memory\n", f"Command: `{command.strip()}`  ",
+    lines = ["# Layout build time and memory\n", f"Command: `{command.strip()}`  ",
              f"Machine: {machine['processor']}, {machine['cpus']} CPUs, {machine['platform']}, Python "
              f"{machine['python']} (load average at the end {machine['loadavg'][0]:.1f}).\n",
              "Block size 64, 12 heads; median of 3 builds in a fresh process; traced peak = numpy/Python "

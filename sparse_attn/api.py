@@ -42,28 +42,40 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     n_k = k.shape[2]
     name = _choose_backend(backend, q)
     module = backends.load(name)
+    layout = resolve_layout(pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal, key_padding_mask,
+                            global_mask)
+    scale = resolve_scale(scale, head_dim)
+    layout = layout.to(q.device)
+    module.check(q, k, v, layout)
+    out, lse = module.attention(q, k, v, layout, scale)
+    return (out, lse) if return_lse else out
+
+
+def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,
+                   key_padding_mask, global_mask) -> BlockLayout:
+    """The layout to run: a prebuilt one checked against the inputs, or one built from the pattern."""
     if isinstance(pattern, BlockLayout):
         if causal or key_padding_mask is not None or global_mask is not None:
             raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
                              "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
                              "the Pattern instead")
-        layout = pattern
-        _check_layout(layout, batch, q_heads, n_q, n_k)
-    elif isinstance(pattern, Pattern):
-        for name_, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
-            _check_call_mask(name_, mask, batch, n)
-        layout = pattern.layout(n_q, n_k, heads=q_heads, block_size=module.BLOCK_SIZE, causal=causal,
-                                global_mask=global_mask, key_padding_mask=key_padding_mask)
-    else:
-        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+        _check_layout(pattern, batch, heads, n_q, n_k)
+        return pattern
+    if isinstance(pattern, Pattern):
+        for name, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
+            _check_call_mask(name, mask, batch, n)
+        return pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal, global_mask=global_mask,
+                              key_padding_mask=key_padding_mask)
+    raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """``scale``, defaulting to 1 / sqrt(head_dim)."""
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
-    layout = layout.to(q.device)
-    module.check(q, k, v, layout)
-    out, lse = module.attention(q, k, v, layout, float(scale))
-    return (out, lse) if return_lse else out
+    return float(scale)
 
 
 def _check_qkv(q, k, v) -> tuple[int, int, int, int]:

@@ -29,7 +29,6 @@ Rules see positions; blocks and masks are indexed by query row.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar, NamedTuple
 
 import numpy as np

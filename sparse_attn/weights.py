@@ -14,13 +14,11 @@ N x N is ever allocated for a sparse pattern.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import scipy.sparse
 import torch
 
-from .api import _check_call_mask, _check_layout
+from .api import resolve_layout, resolve_scale
 from .layout import BlockLayout
 from .pattern import Pattern
 
@@ -47,24 +45,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     _check_qk(q, k)
     batch, heads, n_q, head_dim = q.shape
     n_k = k.shape[2]
-    if isinstance(pattern, BlockLayout):
-        if causal or key_padding_mask is not None or global_mask is not None:
-            raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
-                             "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
-                             "the Pattern instead")
-        layout = pattern
-        _check_layout(layout, batch, heads, n_q, n_k)
-    elif isinstance(pattern, Pattern):
-        for name, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
-            _check_call_mask(name, mask, batch, n)
-        layout = pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal,
-                                global_mask=global_mask, key_padding_mask=key_padding_mask)
-    else:
-        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    layout = resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask)
+    scale = resolve_scale(scale, head_dim)
 
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k = q.detach().to(compute), k.detach().to(compute)
