@@ -23,6 +23,7 @@ import functools
 import numpy as np
 import torch
 
+from ._host import host_only
 from .pattern import (Causal, Intersection, Pattern, Union, _check_int, _check_lengths, _check_pattern, _Ctx,
                       _KeyPadding, _n_blocks, _TokenGlobal, block_table)
 
@@ -270,7 +271,7 @@ class BlockLayout:
 # ------------------------------------------------------------------------------------------------
 # Building
 # ------------------------------------------------------------------------------------------------
-@torch.compiler.disable  # host-side numpy: under torch.compile a graph break, not a trace
+@host_only  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_size: int, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
     """See :meth:`Pattern.layout`. Layouts without call-time masks are cached.

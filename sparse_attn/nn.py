@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._host import host_only
 from .api import sparse_attention
 from .pattern import Dense, Pattern
 
@@ -135,7 +136,7 @@ class SparseSelfAttention(nn.Module):
             raise ValueError(f"x must have shape {layout} with embed_dim={self.embed_dim}, got {tuple(x.shape)}")
 
 
-@torch.compiler.disable  # a data-dependent size: a quiet graph break
+@host_only  # a data-dependent size: a quiet graph break
 def _global_positions(global_mask: torch.Tensor) -> torch.Tensor | None:
     """(B, G): each example's global positions in order, then non-global ones; G = the largest count."""
     count = int(global_mask.sum(1).max())

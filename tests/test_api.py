@@ -77,3 +77,19 @@ def test_auto_picks_numba_on_cpu():
     from sparse_attn.api import _choose_backend
     assert _choose_backend("auto", torch.zeros(1)) == "numba"
     assert _choose_backend("reference", torch.zeros(1)) == "reference"
+
+
+def test_building_a_layout_inside_torch_compile_is_a_graph_break_not_an_error():
+    q, k, v = tensors()
+    padding = torch.zeros(2, 32, dtype=torch.bool)
+    padding[0, 25:] = True
+    attend = lambda q, k, v, padding: call(q, k, v, sa.Local(4) | sa.Global(first=1), key_padding_mask=padding)
+    compiled = torch.compile(attend, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, padding), attend(q, k, v, padding))
+
+
+def test_import_does_not_load_dynamo_or_triton():
+    import subprocess
+    import sys
+    code = "import sys, sparse_attn; print(sorted(m for m in ('torch._dynamo', 'triton', 'numba') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
