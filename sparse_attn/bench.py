@@ -290,9 +290,9 @@ def sweep(patterns: dict[str, Pattern], lengths: list[int], implementations: lis
                           "timeout_s": timeout, "memory_limit_gb": memory_limit_gb},
                "patterns": {label: repr(p) for label, p in patterns.items()},
                "implementations": {name: IMPLEMENTATIONS[name] for name in implementations}, "points": []}
-    todo = [(label, name, n) for label in patterns for name in implementations for n in sorted(lengths)]
+    planned = [(label, name, n) for label in patterns for name in implementations for n in sorted(lengths)]
     stopped: dict[tuple[str, str], str] = {}
-    bar = tqdm(todo, desc="bench", unit="point", disable=not progress, file=sys.stderr)
+    bar = tqdm(planned, desc="bench", unit="point", disable=not progress, file=sys.stderr)
     for label, name, n in bar:
         bar.set_postfix_str(f"{label} {name} N={n}")
         pattern = patterns[label]
