@@ -19,10 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-PATTERNS = {
-    "longformer": ("sa.Local(256) | sa.Global(first=16)", 12),
-    "bigbird-itc": ("sa.preset('bigbird-itc')", 12),
-}
+PATTERNS = {"longformer": ("Local(256) | Global(first=16)", 12), "bigbird-itc": ("bigbird-itc", 12)}
 REPEATS = 3
 
 
@@ -31,10 +28,10 @@ def measure(expression: str, n: int, heads: int) -> dict:
     import resource
     import tracemalloc
 
-    import sparse_attn as sa
+    from sparse_attn.cli import parse_pattern
     from sparse_attn.layout import _build
 
-    pattern = eval(expression, {"sa": sa})  # our own constant expressions, not user input
+    pattern = parse_pattern(expression)[0]  # a preset name or a pattern expression, as `sparse-attn show` takes
     times = []
     for _ in range(REPEATS):
         tracemalloc.start()

@@ -197,8 +197,8 @@ class Pattern:
             if isinstance(value, list) and value and isinstance(value[0], dict):
                 value = [Pattern.from_dict(v) for v in value]
             kwargs[key] = value
-        if cls in (Union, Intersection, PerHead):
-            return cls(*kwargs.get("patterns", ())) if cls is not PerHead else cls(kwargs.get("patterns", ()))
+        if cls in (Union, Intersection):  # they take their members as *patterns
+            return cls(*kwargs.get("patterns", ()))
         return cls(**kwargs)
 
     def __repr__(self) -> str:

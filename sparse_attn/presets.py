@@ -167,7 +167,7 @@ def to_toml(table: dict, path: str = "") -> str:
         for sub in tables:
             header = f"{path}.{key}" if path else key
             lines += ["", f"[[{header}]]" if is_array else f"[{header}]", to_toml(sub, header).strip("\n")]
-    return "\n".join(line for line in lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _toml_value(value) -> str:

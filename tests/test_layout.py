@@ -1,5 +1,4 @@
 """BlockLayout agrees with the token mask exactly, at every size and block size, and scales."""
-import time
 import tracemalloc
 
 import numpy as np
@@ -186,9 +185,7 @@ def test_layout_validation():
 ])
 def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, per_row):
     tracemalloc.start()
-    start = time.perf_counter()
     layout = pattern.layout(n, heads=heads, block_size=64)
-    elapsed = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     rows = n // 64
@@ -196,7 +193,6 @@ def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, 
     assert layout.full_idx.numel() + layout.part_idx.numel() <= stored_heads * rows * (per_row + 2) + rows * 8
     assert layout.masks.shape[0] <= 64
     assert peak < 400e6, f"layout build peaked at {peak / 1e6:.0f} MB"
-    assert elapsed < 30  # generous: a sanity bound on a loaded CI machine, not a performance target
 
 
 def _has_random(pattern) -> bool:
