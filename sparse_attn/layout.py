@@ -113,17 +113,25 @@ class BlockLayout:
         """Computed (head, query block, key block) triples, summed over heads and stored examples."""
         return (self.full_idx.numel() + self.part_idx.numel()) * self._per_head_factor()
 
+    def _entry_areas(self, ptr: torch.Tensor, idx: torch.Tensor) -> np.ndarray:
+        """Valid token pairs (inside the sequence) of every block of a CSR index."""
+        return self._block_areas(self._rows_of(ptr), idx.cpu().numpy())
+
+    def _tile_counts(self) -> np.ndarray:
+        """Allowed pairs of each tile in ``masks``."""
+        return self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
+
     def computed_pairs(self) -> int:
         """Token pairs inside computed blocks (what a kernel multiplies), over heads and examples."""
-        full = self._block_areas(self._rows_of(self.full_ptr), self.full_idx.cpu().numpy()).sum()
-        part = self._block_areas(self._rows_of(self.part_ptr), self.part_idx.cpu().numpy()).sum()
+        full = self._entry_areas(self.full_ptr, self.full_idx).sum()
+        part = self._entry_areas(self.part_ptr, self.part_idx).sum()
         return int(full + part) * self._per_head_factor()
 
     def allowed_pairs(self) -> int:
         """Token pairs the pattern allows, over heads and stored examples (exact)."""
-        full = self._block_areas(self._rows_of(self.full_ptr), self.full_idx.cpu().numpy()).sum()
-        per_tile = self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
-        return int(full + per_tile[self.part_mask.cpu().numpy()].sum()) * self._per_head_factor()
+        full = self._entry_areas(self.full_ptr, self.full_idx).sum()
+        part = self._tile_counts()[self.part_mask.cpu().numpy()].sum()
+        return int(full + part) * self._per_head_factor()
 
     @property
     def density(self) -> float:
@@ -187,7 +195,7 @@ class BlockLayout:
                 cols.append(nz[:, 1])
             rows, cols = np.concatenate(rows), np.concatenate(cols)
             return scipy.sparse.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(self.n_q, self.n_k))
-        per_tile = self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
+        per_tile = self._tile_counts()
         entries = []
         for ptr, idx, tiles in ((self.full_ptr, self.full_idx, None), (self.part_ptr, self.part_idx, self.part_mask)):
             p = ptr[b, h].cpu().numpy()
