@@ -209,13 +209,16 @@ def test_half_inputs_compute_in_float32(dtype):
         assert_within_rule(name, grad, oracle, base)
 
 
-def test_pattern_argument_uses_block_size_64():
+def test_pattern_argument_uses_block_size_64(monkeypatch):
+    seen, run = [], numba_cpu.attention
+    monkeypatch.setattr(numba_cpu, "attention", lambda q, k, v, layout, scale: (seen.append(layout.block_size),
+                                                                               run(q, k, v, layout, scale))[1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 150, 16, generator=gen)
     out = sparse_attention(q, q, q, sa.Local(30), backend="numba")
     ref = sparse_attention(q, q, q, sa.Local(30), backend="reference")
     torch.testing.assert_close(out, ref)
-    assert numba_cpu.BLOCK_SIZE == 64
+    assert seen == [64]
 
 
 def test_non_cpu_tensors_are_refused():

@@ -55,7 +55,7 @@ Scheduling and determinism:
   with the same thread count are bitwise identical.
 
 Memory beyond inputs, outputs and gradients: O(N) (lse, delta, task lists), per-worker scratch of
-two ``block x _PANEL_KEYS`` panels, and ``threads - 1`` dQ-sized buffers in the backward: O(N x D).
+two ``block x _PANEL_KEYS`` panels, and ``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D).
 Gradients and dQ buffers are zeroed inside the kernel by the worker that owns them.
 
 Matmuls call BLAS ?gemm directly (the binding Numba's ``np.dot`` uses), with alpha, beta and
@@ -225,9 +225,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, *layout = ctx.saved_tensors
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
+    q, k, v, out, lse, *layout = ctx.saved_tensors  # autograd passes zeros for an unused lse, never None
     dq, dk, dv = numba_attention_backward(dout, q, k, v, out, lse, dlse, *layout, ctx.block_size, ctx.scale)
     return (dq, dk, dv) + (None,) * (len(layout) + 2)
 

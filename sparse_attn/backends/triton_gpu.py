@@ -50,9 +50,6 @@ BLOCK_SIZE = 64
 MAX_HEAD_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-# The layout tensors a kernel needs, in the order the custom ops take them.
-_INDEX = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
-          "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -495,6 +492,6 @@ def check(q, k, v, layout: BlockLayout) -> None:
 
 def attention(q, k, v, layout: BlockLayout, scale: float):
     """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
-    index = [getattr(layout, name) for name in _INDEX]
-    index[_INDEX.index("masks")] = layout.masks.view(torch.uint8)  # (n_masks, bs, bs): bytes load everywhere
+    index = [getattr(layout, name) for name in BlockLayout._TENSORS]  # the order the custom ops take them
+    index[BlockLayout._TENSORS.index("masks")] = layout.masks.view(torch.uint8)  # (n_masks, bs, bs): bytes load everywhere
     return _forward_op(q, k, v, index, layout.block_size, scale)
