@@ -206,7 +206,15 @@ def cmd_bench(args) -> None:
 
     quick = bench.QUICK if args.quick else {}
     labels = args.patterns or quick.get("patterns") or list(bench.PATTERNS)
-    patterns = {label: parse_pattern(bench.PATTERNS.get(label, label))[0] for label in labels}
+    patterns = {}
+    for label in labels:
+        pattern, file_heads = parse_pattern(bench.PATTERNS.get(label, label))
+        try:
+            pattern._check_heads(args.num_heads)
+        except ValueError as error:
+            hint = f"; pass --num-heads {file_heads}" if file_heads else ""
+            raise UsageError(f"pattern {label!r} does not fit --num-heads {args.num_heads}: {error}{hint}") from None
+        patterns[label] = pattern
     implementations = args.backends or quick.get("backends") or ["sparse_attn-numba", "sdpa-dense", "sdpa-masked",
                                                                  "flex", "hf-longformer"]
     unknown = [name for name in implementations if name not in bench.IMPLEMENTATIONS]
@@ -314,9 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         args.run(args)
-    except UsageError as error:
-        parser.exit(2, f"sparse-attn: error: {error}\n")
-    except ImportError as error:
+    except (UsageError, ImportError) as error:
         parser.exit(2, f"sparse-attn: error: {error}\n")
     return 0
 

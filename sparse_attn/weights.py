@@ -14,13 +14,17 @@ N x N is ever allocated for a sparse pattern.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import scipy.sparse
 import torch
 
 from .api import resolve_layout, resolve_scale
 from .layout import BlockLayout
 from .pattern import Pattern
+
+if TYPE_CHECKING:
+    import scipy.sparse
 
 _SCORES_PER_CHUNK = 1 << 24  # score elements materialised at once (as in the reference backend)
 
@@ -71,6 +75,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
 
 
 def _csr(chunks, n_q: int, n_k: int) -> scipy.sparse.csr_array:
+    import scipy.sparse  # here, not at module level: it costs ~180 ms of ``import sparse_attn``
+
     counts, cols, values = (np.concatenate(column) for column in zip(*chunks))
     indptr = np.zeros(n_q + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])

@@ -29,7 +29,9 @@ def test_patterns_lists_every_preset_with_densities():
     lines = proc.stdout.splitlines()
     for name in sa.list_presets():
         line = next(line for line in lines if line.startswith(name + " "))
-        assert line.count("%") == 2
+        heads = parse_pattern(name)[1] or 1
+        expected = [f"{sa.preset(name).layout(n, heads=heads).density:.2%}" for n in (4096, 16384)]
+        assert line.split()[1:3] == expected, line
 
 
 def test_show_prints_the_layout_and_writes_a_figure(tmp_path):
@@ -37,7 +39,19 @@ def test_show_prints_the_layout_and_writes_a_figure(tmp_path):
     proc = run("show", "Local(64) | Global(first=2)", "--seq-len", "512", "--heads", "0,1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "token density" in proc.stdout and "nnz blocks" in proc.stdout and "of dense" in proc.stdout
-    assert "#" in proc.stdout and "+" in proc.stdout               # the ASCII grid: full and partial blocks
+    grid = ["#+++++++",                                               # the ASCII grid of head 0 (heads shared):
+            "+#+.....",                                               # '#' full, '+' partial, '.' skipped
+            "++#+....",
+            "+.+#+...",
+            "+..+#+..",
+            "+...+#+.",
+            "+....+#+",
+            "+.....+#"]
+    lines = [line.strip() for line in proc.stdout.splitlines()]
+    start = lines.index(grid[0])
+    assert lines[start:start + len(grid)] == grid
+    assert "68 computed (53.1%), 16 full, 52 partial" in proc.stdout
+    assert "= 53.12% of dense" in proc.stdout                           # 68 of 2 heads x 64 blocks
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -76,7 +90,19 @@ def test_bench_records_timeouts_and_keeps_going(tmp_path):
                           progress=False)
     statuses = {(p["implementation"], p["n"]): p["status"] for p in results["points"]}
     assert statuses[("sdpa-dense", 128)] == "timeout" and statuses[("sdpa-dense", 256)] == "skipped"
-    assert statuses[("hf-longformer", 128)] in ("unavailable", "timeout")    # Local(1): a 2-token window is fine
+
+
+def test_bench_availability():
+    from sparse_attn import bench
+
+    assert bench._longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
+    assert bench._longformer_window(sa.Local(1)) == (1, None)
+    assert bench._longformer_window(sa.preset("bigbird-itc")) is None
+    assert bench._longformer_window(sa.Local(4, 2)) is None                 # HF windows are symmetric
+    assert bench.availability("hf-longformer", sa.preset("bigbird-itc"), "cpu")[0] is False
+    assert bench.availability("sparse_attn-numba", sa.Local(1), "cuda") == (False, "numba runs CPU tensors only")
+    assert bench.availability("sparse_attn-triton", sa.Local(1), "cpu")[0] is False
+    assert bench.availability("sdpa-dense", sa.Local(1), "cpu") == (True, "")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -91,6 +117,9 @@ def test_bench_records_timeouts_and_keeps_going(tmp_path):
     (["bench", "--backends", "cuda-magic"], "unknown --backends cuda-magic"),
     (["bench", "--patterns", "longformerr"], "'longformerr' is not a preset (bigbird-etc, "),
     (["bench", "--lengths", "-5"], "expected a positive integer"),
+    (["bench", "--patterns", "dilated-longformer", "--lengths", "256", "--no-progress"],
+     "pattern 'dilated-longformer' does not fit --num-heads 8: PerHead has 12 patterns but heads=8"),
+    (["bench", "--patterns", "dilated-longformer", "--lengths", "256", "--no-progress"], "pass --num-heads 12"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_exit_2_with_a_message(args, message):
