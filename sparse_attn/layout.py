@@ -206,6 +206,27 @@ class BlockLayout:
         rows, cols, data = (np.concatenate(x) for x in zip(*entries))
         return scipy.sparse.csr_array((data, (rows, cols)), shape=(self.n_q_blocks, self.n_k_blocks))
 
+    def bin_factor(self, max_side: int | None = None) -> int:
+        """Blocks per grid cell so that neither side of ``block_grid(max_side=...)`` exceeds ``max_side``."""
+        return 1 if max_side is None else max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // max_side))
+
+    def block_grid(self, batch: int = 0, head: int = 0, max_side: int | None = None) -> np.ndarray:
+        """Block states of one (example, head): 0 skipped, 1 partial, 2 full, as an int8 grid.
+
+        With ``max_side`` the grid is binned by ``bin_factor(max_side)``; a cell shows its
+        most-computed block.
+
+        >>> import sparse_attn as sa
+        >>> sa.Local(64).layout(256, block_size=64).block_grid().tolist()
+        [[2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1], [0, 0, 1, 2]]
+        """
+        blocks = self.to_scipy(batch, head).tocoo()
+        state = np.where(blocks.data == self._block_areas(blocks.row, blocks.col), 2, 1).astype(np.int8)
+        factor = self.bin_factor(max_side)
+        grid = np.zeros((-(-self.n_q_blocks // factor), -(-self.n_k_blocks // factor)), dtype=np.int8)
+        np.maximum.at(grid, (blocks.row // factor, blocks.col // factor), state)
+        return grid
+
     def to_block_mask(self):
         """FlexAttention ``BlockMask`` of the same pattern, to run the peer on identical work.
 
@@ -269,10 +290,7 @@ class BlockLayout:
         ]
         if max(self.n_q_blocks, self.n_k_blocks) <= _GRID_MAX_BLOCKS:
             lines.append("  head 0 ('#' full, '+' partial, '.' skipped):")
-            grid = self.to_scipy(0, 0).toarray()
-            areas = self._block_areas(np.arange(self.n_q_blocks)[:, None], np.arange(self.n_k_blocks)[None, :])
-            for row, area in zip(grid, areas):
-                lines.append("  " + "".join("#" if a == s else "+" if a else "." for a, s in zip(row, area)))
+            lines += ["  " + "".join(".+#"[state] for state in row) for row in self.block_grid()]
         return "\n".join(lines)
 
 

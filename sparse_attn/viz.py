@@ -31,23 +31,6 @@ def _pyplot():
     return plt
 
 
-def block_states(layout: BlockLayout, batch: int = 0, head: int = 0, max_pixels: int = _GRID_PIXELS) -> np.ndarray:
-    """Block grid of one (example, head): 0 skipped, 1 partial, 2 full, binned to at most ``max_pixels`` a side.
-
-    >>> import sparse_attn as sa
-    >>> block_states(sa.Local(64).layout(256, block_size=64)).tolist()
-    [[2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1], [0, 0, 1, 2]]
-    """
-    blocks = layout.to_scipy(batch, head).tocoo()
-    rows, cols = blocks.row, blocks.col
-    area = layout._block_areas(rows, cols)
-    state = np.where(blocks.data == area, 2, 1).astype(np.int8)
-    factor = max(1, -(-max(layout.n_q_blocks, layout.n_k_blocks) // max_pixels))
-    grid = np.zeros((-(-layout.n_q_blocks // factor), -(-layout.n_k_blocks // factor)), dtype=np.int8)
-    np.maximum.at(grid, (rows // factor, cols // factor), state)
-    return grid
-
-
 def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch: int = 0, title: str | None = None):
     """One column per head: the block grid (full and partial blocks in two colours) above a token-level zoom.
 
@@ -68,11 +51,11 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     figure, axes = plt.subplots(2, len(heads), figsize=(max(3.2 * len(heads) + 0.6, 6.4), 6.8), squeeze=False,
                                 gridspec_kw={"height_ratios": [1, 1]})
     colours = ListedColormap([_COLORS["skipped"], _COLORS["partial"], _COLORS["full"]])
-    zoom_blocks = -(-zoom // layout.block_size)
+    zoom_mask = layout.row_mask(0, -(-zoom // layout.block_size))                # (Bl, Hl, rows, n_k)
+    factor = layout.bin_factor(_GRID_PIXELS)
     for column, h in enumerate(heads):
-        grid = block_states(layout, batch, h)
+        grid = layout.block_grid(batch, h, max_side=_GRID_PIXELS)
         top = axes[0, column]
-        factor = -(-layout.n_q_blocks // grid.shape[0])
         top.imshow(grid, cmap=colours, vmin=0, vmax=2, interpolation="nearest",
                    extent=(0, layout.n_k, layout.n_q, 0))
         top.set_title(f"head {h}: blocks of {layout.block_size}" + (f" (binned {factor}x)" if factor > 1 else ""),
@@ -80,7 +63,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
         top.set_xlabel("key position", fontsize=8)
         top.set_ylabel("query position", fontsize=8)
         top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
-        mask = layout.row_mask(0, zoom_blocks)[batch % layout.batch, 0 if layout.shared_heads else h]
+        mask = zoom_mask[layout._check_example_head(batch, h)]
         bottom = axes[1, column]
         bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]), vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, zoom, zoom, 0))

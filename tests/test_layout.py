@@ -132,6 +132,16 @@ def test_counts_density_and_flops():
     assert partial.density == pytest.approx(10 / 100)
 
 
+def test_block_grid_distinguishes_full_and_partial_and_bins():
+    assert sa.Local(64).layout(256, block_size=64).block_grid().tolist() == \
+        [[2, 1, 0, 0], [1, 2, 1, 0], [0, 1, 2, 1], [0, 0, 1, 2]]
+    layout = (sa.Local(256) | sa.Global(first=16)).layout(1 << 16, block_size=64)   # 1024 x 1024 blocks
+    grid = layout.block_grid(max_side=256)
+    assert grid.shape == (256, 256) and grid[0].min() >= 1 and grid[100, 100] == 2 and grid[100, 200] == 0
+    wide = sa.Dense().layout(5 * 64, 2000 * 64, block_size=64)                       # 5 x 2000 blocks
+    assert wide.bin_factor(512) == 4 and wide.block_grid(max_side=512).shape == (2, 500)
+
+
 def test_to_scipy_block_and_token_level():
     layout = (sa.Local(2) | sa.Global(first=1)).layout(20, block_size=8)
     blocks = layout.to_scipy(level="block")
