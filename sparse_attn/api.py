@@ -38,7 +38,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     Returns:
         out (B, Hq, Nq, D) in the dtype of q, or ``(out, lse)`` with ``return_lse=True``.
     """
-    batch, q_heads, n_q, head_dim = _check_qkv(q, k, v)
+    batch, q_heads, n_q, head_dim = check_inputs(q, k, v)
     n_k = k.shape[2]
     name = _choose_backend(backend, q)
     module = backends.load(name)
@@ -78,8 +78,10 @@ def resolve_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _check_qkv(q, k, v) -> tuple[int, int, int, int]:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
+    """Types, shapes, dtypes and devices of q, k (and v): returns (batch, q_heads, n_q, head_dim)."""
+    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -87,11 +89,12 @@ def _check_qkv(q, k, v) -> tuple[int, int, int, int]:
                              f"for (batch, seq_len, heads, head_dim) inputs use .transpose(1, 2)")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.device == k.device == v.device:
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
+    names = ", ".join(name for name, _ in named)
+    if len({t.dtype for _, t in named}) > 1:
+        raise TypeError(f"{names} must share one dtype, got {', '.join(str(t.dtype) for _, t in named)}")
+    if len({t.device for _, t in named}) > 1:
+        raise ValueError(f"{names} must be on one device, got {', '.join(str(t.device) for _, t in named)}")
+    if v is not None and k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (batch, kv_heads, n_k, head_dim), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, q_heads, n_q, head_dim = q.shape

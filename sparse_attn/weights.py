@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .api import resolve_layout, resolve_scale
+from .api import check_inputs, resolve_layout, resolve_scale
 from .layout import BlockLayout
 from .pattern import Pattern
 
@@ -46,8 +46,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
         allowed pairs (explicit zeros where a probability underflows); every row sums to 1, and a
         row with no allowed key is empty (all zero).
     """
-    _check_qk(q, k)
-    batch, heads, n_q, head_dim = q.shape
+    batch, heads, n_q, head_dim = check_inputs(q, k)
     n_k = k.shape[2]
     layout = resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask)
     scale = resolve_scale(scale, head_dim)
@@ -81,23 +80,3 @@ def _csr(chunks, n_q: int, n_k: int) -> scipy.sparse.csr_array:
     indptr = np.zeros(n_q + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
     return scipy.sparse.csr_array((values, cols.astype(np.int64), indptr), shape=(n_q, n_k))
-
-
-def _check_qk(q, k) -> None:
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)}; "
-                             f"for (batch, seq_len, heads, head_dim) inputs use .transpose(1, 2)")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if q.device != k.device:
-        raise ValueError(f"q and k must be on one device, got {q.device} and {k.device}")
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k must have batch {q.shape[0]} and head_dim {q.shape[3]} like q, got shape {tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"the number of k heads ({k.shape[1]}) must divide the number of q heads ({q.shape[1]}) "
-                         f"for grouped-query attention")
-    if min(q.shape[0], q.shape[2], k.shape[2], q.shape[3]) == 0:
-        raise ValueError(f"q and k need batch, seq_len and head_dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
