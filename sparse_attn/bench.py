@@ -152,14 +152,14 @@ def _setup_longformer(pattern: Pattern, q):
 # ------------------------------------------------------------------------------------------------
 # One point (the child process)
 # ------------------------------------------------------------------------------------------------
-def _resident_mb() -> float:
+def _status_mb(field: str) -> float:
+    """A memory field of /proc/self/status ("VmRSS": resident now, "VmHWM": its high-water mark)."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
-def _high_water_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+def _is_oom(message: str) -> bool:
+    return "memory" in message.lower() or "alloc" in message.lower()
 
 
 def _reset_high_water() -> None:
@@ -189,7 +189,7 @@ def measure(point: dict) -> dict:
     # load libraries and JIT code with a short run first, so they stay out of the measurement
     call(_setup(name, pattern, *inputs(min(n, 1024)), point["block_size"]))
     q, k, v = inputs(n)
-    before = torch.cuda.memory_allocated() / 2**20 if cuda else _resident_mb()
+    before = torch.cuda.memory_allocated() / 2**20 if cuda else _status_mb("VmRSS")
     reset_peak = torch.cuda.reset_peak_memory_stats if cuda else _reset_high_water
     reset_peak()
     fn = _setup(name, pattern, q, k, v, point["block_size"])
@@ -207,7 +207,7 @@ def measure(point: dict) -> dict:
             times.append(time.perf_counter() - start)
             if sum(times) + first_s > point["timeout"] / 3:  # enough to know; leave time for the rest
                 break
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _high_water_mb()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mb("VmHWM")
     return {"status": "ok", "time_s": statistics.median(times), "times_s": times, "first_call_s": first_s,
             "measured": timed, "memory_mb": peak - before,
             "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -223,8 +223,7 @@ def _child() -> None:
         result = {"status": "oom", "error": str(error).splitlines()[0][:300]}
     except RuntimeError as error:
         message = str(error)
-        oom = "memory" in message.lower() or "alloc" in message.lower()
-        result = {"status": "oom" if oom else "error", "error": message.splitlines()[0][:300]}
+        result = {"status": "oom" if _is_oom(message) else "error", "error": message.splitlines()[0][:300]}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -253,8 +252,7 @@ def run_point(point: dict) -> dict:
     if proc.returncode in (-9, 137):
         return {"status": "oom", "error": "killed (SIGKILL, most likely the out-of-memory killer)"}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    oom = "memory" in tail[0].lower() or "alloc" in tail[0].lower()
-    return {"status": "oom" if oom else "error", "error": tail[0][:300]}
+    return {"status": "oom" if _is_oom(tail[0]) else "error", "error": tail[0][:300]}
 
 
 def machine() -> dict:
