@@ -1,7 +1,6 @@
 """sparse_attn.integrations.transformers: attn_implementation="sparse_attn" for BERT, RoBERTa and Llama
 (GQA), against the models' own eager attention; training, generation with a KV cache, to_long_model."""
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import sparse_attn as sa
+from sparse_attn import backends
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
@@ -17,8 +17,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
 
 from sparse_attn.integrations.transformers import register, to_long_model  # noqa: E402
 
-BACKEND = ("numba" if importlib.util.find_spec("sparse_attn.backends.numba_cpu") and importlib.util.find_spec("numba")
-           else "reference")
+BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 DENSE = register(sa.Dense(), name="sparse_attn_test_dense", backend=BACKEND)
 LOCAL = register(sa.Local(3) | sa.Global(first=1), name="sparse_attn_test_local", backend=BACKEND)
 VOCAB = 100
@@ -64,6 +63,13 @@ def test_dense_pattern_equals_eager_attention(kind):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours(input_ids=ids).last_hidden_state, eager(input_ids=ids).last_hidden_state,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_attention_weights_are_not_returned():
+    _, ours = _twins("bert", LOCAL)
+    ids, mask = _batch()
+    outputs = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert outputs.attentions is not None and all(a is None for a in outputs.attentions)
 
 
 def test_dense_pattern_equals_eager_with_left_padding():

@@ -1,17 +1,16 @@
 """sparse_attn.nn.SparseSelfAttention: against dense masked softmax, nn.MultiheadAttention and Hugging
 Face's LongformerSelfAttention (weights copied, outputs and input gradients at atol 1e-5 in fp32)."""
-import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
 import sparse_attn as sa
+from sparse_attn import backends
 from sparse_attn.nn import SparseSelfAttention
 
-# The oracle backend, unless the Numba backend exists (then the module default "auto" runs it).
-BACKEND = ("numba" if importlib.util.find_spec("sparse_attn.backends.numba_cpu") and importlib.util.find_spec("numba")
-           else "reference")
+# The Numba backend where it can run (numba and scipy BLAS present), else the oracle.
+BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 E, H = 32, 4
 
 
