@@ -56,6 +56,7 @@ IMPLEMENTATIONS = {
     "hf-longformer": "transformers LongformerSelfAttention (with its q/k/v projections), Local|Global only",
 }
 DEFAULT_LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
+DEFAULT_IMPLEMENTATIONS = ["sparse_attn-numba", "sdpa-dense", "sdpa-masked", "flex", "hf-longformer"]
 QUICK = {"patterns": ["longformer"], "lengths": [1024, 2048, 4096, 8192],
          "backends": ["sparse_attn-numba", "sdpa-dense", "sdpa-masked"], "repeats": 2, "timeout": 60}
 
@@ -255,18 +256,29 @@ def run_point(point: dict) -> dict:
     return {"status": "oom" if _is_oom(tail[0]) else "error", "error": tail[0][:300]}
 
 
-def machine() -> dict:
-    """Where and with what the sweep ran."""
+def versions(packages) -> dict[str, str | None]:
+    """Installed version of each package, None where it is not installed."""
     import importlib.metadata as metadata
 
-    versions = {}
-    for package in ("torch", "numba", "triton", "transformers", "sparse-attn"):
+    found = {}
+    for package in packages:
         try:
-            versions[package] = metadata.version(package)
+            found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
-            versions[package] = None
+            found[package] = None
+    return found
+
+
+def cpus() -> int:
+    """CPUs this process may run on (its affinity, which a container may limit)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def machine() -> dict:
+    """Where and with what the sweep ran."""
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "versions": versions,
+            "cpus": cpus(), "python": platform.python_version(),
+            "versions": versions(("torch", "numba", "triton", "transformers", "sparse-attn")),
             "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -338,6 +350,14 @@ def markdown(results: dict) -> str:
              f"time = median of up to {config['repeats']} calls after a warm-up call; memory = peak resident memory "
              f"during the calls minus the resident memory before setting the implementation up (beyond q, k, v; "
              f"its mask or layout, output and working memory included). Each point ran in a fresh process.", ""]
+    lines += [tables(results), "## Implementations", ""]
+    lines += [f"- `{k}`: {v}" for k, v in results["implementations"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def tables(results: dict) -> str:
+    """One markdown table per pattern: implementations x sequence lengths."""
+    lines = []
     for label, expression in results["patterns"].items():
         points = [p for p in results["points"] if p["pattern_label"] == label]
         lengths = sorted({p["n"] for p in points})
@@ -350,8 +370,7 @@ def markdown(results: dict) -> str:
         lines += ["", "Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its "
                       "memory includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, "
                       "`-` = skipped after either at a smaller N, `n/a` = not available.", ""]
-    lines += ["## Implementations", ""] + [f"- `{k}`: {v}" for k, v in results["implementations"].items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def _cell(point: dict) -> str:

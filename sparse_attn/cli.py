@@ -46,8 +46,9 @@ def parse_pattern(text: str) -> tuple[Pattern, int | None]:
     ...
     sparse_attn.cli.UsageError: pattern expression: '__import__' is not a pattern constructor; use one of ...
     """
-    if text in presets.list_presets():
-        return presets.preset(text), _file_heads(presets._preset_dir() / f"{text}.toml")
+    preset_file = presets._preset_dir() / f"{text}.toml"
+    if "/" not in text and preset_file.is_file():
+        return presets.preset(text), _file_heads(preset_file)
     if text.endswith(".toml"):
         try:
             return presets.load_pattern(text), _file_heads(Path(text))
@@ -115,21 +116,16 @@ def _evaluate(node: ast.AST):
 # Subcommands
 # ------------------------------------------------------------------------------------------------
 def cmd_info(args) -> None:
-    import importlib.metadata as metadata
-
     import torch
 
-    from . import backends
+    from . import backends, bench
 
-    print(f"sparse_attn {_version('sparse-attn')}")
+    print(f"sparse_attn {bench.versions(['sparse-attn'])['sparse-attn'] or '(not installed)'}")
     print(f"Python {platform.python_version()} ({platform.platform()})")
-    for package in ("torch", "numba", "triton", "transformers", "matplotlib", "tqdm"):
-        try:
-            print(f"{package:<13}{metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            print(f"{package:<13}not installed")
+    for package, version in bench.versions(("torch", "numba", "triton", "transformers", "matplotlib", "tqdm")).items():
+        print(f"{package:<13}{version or 'not installed'}")
     print("devices:")
-    print(f"  cpu          {platform.machine()}, {_cpus()} CPUs, torch threads {torch.get_num_threads()}")
+    print(f"  cpu          {platform.machine()}, {bench.cpus()} CPUs, torch threads {torch.get_num_threads()}")
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             print(f"  cuda:{index}       {torch.cuda.get_device_name(index)}")
@@ -139,21 +135,6 @@ def cmd_info(args) -> None:
     for name in backends.MODULES:
         ok, reason = backends.availability(name)
         print(f"  {name:<12} {'available' if ok else 'unavailable'}" + (f": {reason}" if reason else ""))
-
-
-def _version(package: str) -> str:
-    import importlib.metadata as metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "(not installed)"
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def preset_rows() -> list[tuple[str, str, int, float, float]]:
@@ -215,8 +196,7 @@ def cmd_bench(args) -> None:
             hint = f"; pass --num-heads {file_heads}" if file_heads else ""
             raise UsageError(f"pattern {label!r} does not fit --num-heads {args.num_heads}: {error}{hint}") from None
         patterns[label] = pattern
-    implementations = args.backends or quick.get("backends") or ["sparse_attn-numba", "sdpa-dense", "sdpa-masked",
-                                                                 "flex", "hf-longformer"]
+    implementations = args.backends or quick.get("backends") or bench.DEFAULT_IMPLEMENTATIONS
     unknown = [name for name in implementations if name not in bench.IMPLEMENTATIONS]
     if unknown:
         raise UsageError(f"unknown --backends {', '.join(unknown)}; choose from {', '.join(bench.IMPLEMENTATIONS)}")
@@ -230,7 +210,7 @@ def cmd_bench(args) -> None:
                           device=device, command=command, progress=not args.no_progress, out=args.out)
     for path in bench.write(results, args.out):
         print(f"wrote {path}")
-    print(bench.markdown(results).split("\n## ", 1)[1].split("\n## Implementations")[0].strip())
+    print(bench.tables(results).strip())
 
 
 # ------------------------------------------------------------------------------------------------
