@@ -19,6 +19,7 @@ transposed per (example, head, key block) for the dK/dV pass of the backward.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -300,7 +301,8 @@ class BlockLayout:
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_size: int, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
-    """See :meth:`Pattern.layout`. Layouts without call-time masks are cached.
+    """See :meth:`Pattern.layout`. Layouts are cached, call-time masks by their values, so every layer
+    of a model called with the same padding shares one layout.
 
     Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
     the compiled function and pass it to ``sparse_attention``.
@@ -312,8 +314,6 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     pattern._check_heads(heads)
-    if global_mask is None and key_padding_mask is None:
-        return _cached_layout(pattern, n_q, n_k, heads, block_size, causal)
     batch = None
     if global_mask is not None:
         global_mask = _check_token_mask("global_mask", global_mask, None, n_q)
@@ -323,8 +323,8 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
         batch = global_mask.shape[0]
     if key_padding_mask is not None:
         key_padding_mask = _check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
-        batch = key_padding_mask.shape[0]
-    return _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask)
+    return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
+                          _Mask.of(key_padding_mask))
 
 
 def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
@@ -339,9 +339,27 @@ def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
     return mask
 
 
+class _Mask(NamedTuple):
+    """A call-time bool mask as a hashable value (its shape and packed bits), for the layout cache."""
+
+    shape: tuple[int, int]
+    bits: bytes
+
+    @staticmethod
+    def of(mask: np.ndarray | None) -> _Mask | None:
+        return None if mask is None else _Mask(mask.shape, np.packbits(mask).tobytes())
+
+    def array(self) -> np.ndarray:
+        n = self.shape[0] * self.shape[1]
+        return np.unpackbits(np.frombuffer(self.bits, np.uint8), count=n).astype(bool).reshape(self.shape)
+
+
 @functools.lru_cache(maxsize=64)
-def _cached_layout(pattern, n_q, n_k, heads, block_size, causal) -> BlockLayout:
-    return _build(pattern, n_q, n_k, heads, block_size, causal, None, None, None)
+def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
+                   key_padding_mask: _Mask | None) -> BlockLayout:
+    masks = [None if m is None else m.array() for m in (global_mask, key_padding_mask)]
+    batch = next((m.shape[0] for m in masks if m is not None), None)
+    return _build(pattern, n_q, n_k, heads, block_size, causal, batch, *masks)
 
 
 def _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask) -> BlockLayout:

@@ -166,6 +166,17 @@ def test_layouts_are_cached():
     assert p.layout(256, heads=4, block_size=32) is (sa.Local(8) | sa.Global(first=1)).layout(256, heads=4, block_size=32)
 
 
+def test_layouts_with_masks_are_cached_by_mask_values():
+    padding = torch.arange(100)[None, :] >= torch.tensor([[100], [60]])
+    first = sa.Local(4).layout(100, heads=2, block_size=16, key_padding_mask=padding)
+    assert sa.Local(4).layout(100, heads=2, block_size=16, key_padding_mask=padding.clone()) is first
+    other = padding.clone()
+    other[0, 99] = True
+    changed = sa.Local(4).layout(100, heads=2, block_size=16, key_padding_mask=other)
+    assert changed is not first and not torch.equal(changed.to_dense(), first.to_dense())
+    assert torch.equal(changed.to_dense()[0, 0, :, 99], torch.zeros(100, dtype=torch.bool))
+
+
 def test_to_block_mask_matches_layout():
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     pattern = sa.Local(20) | sa.Global(first=3) | sa.Random(1, block_size=16)
