@@ -61,15 +61,17 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     for r0 in range(0, layout.n_q_blocks, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, layout.n_q_blocks)
         mask = layout.row_mask(r0, r1)                              # (Bl, Hl, rows, Nk)
+        # the allowed pairs of each stored (example, head) mask, found once and shared by its users
+        pairs = {(bl, hl): (mask[bl, hl].nonzero(as_tuple=True), mask[bl, hl].sum(-1).cpu().numpy())
+                 for bl in range(mask.shape[0]) for hl in range(mask.shape[1])}
         for b in range(batch):
             for h in range(heads):
-                allowed = mask[b % mask.shape[0], h % mask.shape[1]]                # (rows, Nk)
+                stored = (b % mask.shape[0], h % mask.shape[1])
+                (rows, cols), counts = pairs[stored]
                 q_rows = q[b, h, r0 * bs:min(r1 * bs, n_q)]                          # (rows, D)
                 scores = (q_rows @ k[b, h // group].T) * scale                       # (rows, Nk)
-                probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-                rows, cols = allowed.nonzero(as_tuple=True)
-                counts = allowed.sum(-1)
-                parts[b][h].append((counts.cpu().numpy(), cols.cpu().numpy(), probs[rows, cols].cpu().numpy()))
+                probs = torch.softmax(scores.masked_fill(~mask[stored], float("-inf")), dim=-1)
+                parts[b][h].append((counts, cols.cpu().numpy(), probs[rows, cols].cpu().numpy()))
     return [[_csr(chunks, n_q, n_k) for chunks in per_head] for per_head in parts]
 
 
