@@ -329,18 +329,24 @@ def _layout_strides(ptr: torch.Tensor) -> tuple[int, int]:
     return (ptr.stride(0) if ptr.shape[0] > 1 else 0), (ptr.stride(1) if ptr.shape[1] > 1 else 0)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs: exact ("ieee") unless torch allows TF32 matmuls; half inputs use tensor cores."""
     exact = dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     return "ieee" if exact else "tf32"
 
 
-def _stages(q: torch.Tensor, backward: bool) -> int:
-    """Software-pipelining depth of the block loops: deep enough to hide load latency, shallow enough
-    that the buffers fit in shared memory (fp32 tiles are twice as large; sm_86/89 have ~100 KB)."""
+def padded_head_dim(head_dim: int) -> int:
+    """The tile width along head_dim: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backward: bool) -> dict:
+    """num_warps and num_stages (software-pipelining depth of the key-block loops) for a GPU whose blocks
+    may use ``shared_memory`` bytes: deep enough to hide load latency, shallow enough that the buffers
+    fit (float32 tiles are twice as large; sm_86/89 have about 100 KB)."""
     stages = 2 if backward else 3
-    big_tiles = q.shape[-1] > 64 and (q.dtype == torch.float32 or _shared_memory(q.device) < 128 * 1024)
-    return stages - 1 if big_tiles else stages
+    big_tiles = head_dim > 64 and (dtype == torch.float32 or shared_memory < 128 * 1024)
+    return dict(num_warps=4 if head_dim <= 64 else 8, num_stages=stages - 1 if big_tiles else stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,12 +358,17 @@ def _shared_memory(device: torch.device) -> int:
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
-    """Compile-time constants shared by the kernels, and launch settings for a GPU."""
+    """Compile-time constants shared by the kernels."""
     head_dim = q.shape[-1]
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK=block,
-                EVEN_Q=q.shape[2] % block == 0, EVEN_K=k.shape[2] % block == 0,
-                PRECISION=_dot_precision(q.dtype),
-                num_warps=4 if head_dim <= 64 else 8)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK=block,
+                EVEN_Q=q.shape[2] % block == 0, EVEN_K=k.shape[2] % block == 0, PRECISION=dot_precision(q.dtype))
+
+
+PREPROCESS_LAUNCH = dict(num_warps=4, num_stages=1)   # one pass over a (BLOCK, D) tile: nothing to pipeline
+
+
+def _launch(q: torch.Tensor, backward: bool) -> dict:
+    return launch_settings(q.shape[-1], q.dtype, _shared_memory(q.device), backward)
 
 
 def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
@@ -369,7 +380,7 @@ def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
     _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_layout_strides(full_ptr),
                       scale * _LOG2E, n_q, k.shape[2], heads, heads // k.shape[1],
-                      num_stages=_stages(q, backward=False), **_meta(q, k, block))
+                      **_launch(q, backward=False), **_meta(q, k, block))
     return out, lse
 
 
@@ -384,7 +395,8 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     q_grid = (triton.cdiv(n_q, block), batch * heads)
     _bwd_preprocess_kernel[q_grid](out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
                                    *_strides(out), *_strides(dout), n_q, heads, dlse is not None,
-                                   HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block)
+                                   HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block,
+                                   **PREPROCESS_LAUNCH)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)                   # (B, Hq, Nq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)                   # (B, Hkv, Nk, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -392,11 +404,11 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
         *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E, n_q, n_k, heads, kv_heads, heads // kv_heads,
-        num_stages=_stages(q, backward=True), **meta)
+        **_launch(q, backward=True), **meta)
     _bwd_q_kernel[q_grid](
         q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
         *common, *_layout_strides(full_ptr), scale, scale * _LOG2E, n_q, n_k, heads, heads // kv_heads,
-        num_stages=_stages(q, backward=True), **meta)
+        **_launch(q, backward=True), **meta)
     return dq, dk, dv
 
 

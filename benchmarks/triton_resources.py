@@ -1,0 +1,170 @@
+"""What the Triton kernels cost an H100, read from the compiler, with no GPU: registers, spills, shared memory.
+
+    python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32] [--warps 4 8] [--stages 1 2 3]
+                                          [--out benchmarks/results]
+
+Each of the four kernels of ``sparse_attn/backends/triton_gpu.py`` is lowered for sm_90 (H100/H200)
+exactly as a launch would specialise it (16-byte aligned pointers, unit stride along head_dim),
+then assembled by Triton's bundled ``ptxas -v``. For every (kernel, head_dim, dtype, warps, stages)
+it records the registers per thread, the bytes spilled to local memory, the shared memory per
+block, and whether the key-block loop is software-pipelined; the row of the setting the backend
+itself launches with (``triton_gpu.launch_settings``) is marked. Without a flag it sweeps the
+settings the backend chooses between. This is static information, not speed: it shows that what
+the backend launches compiles for Hopper without spilling and fits its 227 KB of shared memory.
+Writes ``triton_resources.json`` and ``triton_resources.md`` into ``--out``; exits 1 if a launched
+setting spills or does not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # lower the kernels, do not interpret them
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from sparse_attn.backends import triton_gpu  # noqa: E402
+
+H100_SHARED_MEMORY = 227 * 1024   # bytes a block may opt in to on sm_90
+BLOCK = 64                        # the layouts' default block size
+KERNELS = {"forward": triton_gpu._fwd_kernel, "preprocess": triton_gpu._bwd_preprocess_kernel,
+           "dk_dv": triton_gpu._bwd_kv_kernel, "dq": triton_gpu._bwd_q_kernel}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FLOAT32_POINTERS = {"Lse", "DLse", "Delta", "Lse2"}
+_DATA_POINTERS = {"Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"}
+
+
+def signature(kernel, constants: dict, dtype: str) -> ASTSource:
+    """The kernel as a launch specialises it: pointers and sizes 16-byte divisible, head_dim strides 1."""
+    types, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants or name.startswith("stride_") and name.endswith("d"):
+            types[name], constexprs[(i,)] = "constexpr", constants.get(name, 1)
+            continue
+        types[name] = ("*fp32" if name in _FLOAT32_POINTERS else f"*{dtype}" if name in _DATA_POINTERS
+                       else "*u8" if name == "Masks" else "*i32" if name[0].isupper()
+                       else "fp32" if "scale" in name else "i32")
+        if types[name][0] == "*" or name.startswith("n_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(kernel, types, constexprs, attrs)
+
+
+def constants(kernel_name: str, head_dim: int, dtype: torch.dtype) -> dict:
+    """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input with N a multiple of BLOCK."""
+    block_d = triton_gpu.padded_head_dim(head_dim)
+    if kernel_name == "preprocess":
+        return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, HAS_DLSE=True)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, EVEN_Q=True, EVEN_K=True,
+                PRECISION=triton_gpu.dot_precision(dtype))
+
+
+def compile_for_h100(kernel, constexprs: dict, dtype: str, warps: int, stages: int) -> dict:
+    """Lower ``kernel`` for sm_90 and read its resources from ptxas' report."""
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(signature(kernel, constexprs, dtype), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+    report = log.getvalue()
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"no ptxas report for {kernel.__name__}; got:\n{report[-2000:]}")
+    return {"registers": int(registers.group(1)), "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+            "shared_bytes": compiled.metadata.shared,
+            "pipelined": "async_copy_global_to_local" in compiled.asm["ttgir"] or "async_tma" in compiled.asm["ttgir"]}
+
+
+def launched(kernel_name: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(num_warps, num_stages) the backend launches ``kernel_name`` with on an H100."""
+    if kernel_name == "preprocess":
+        settings = triton_gpu.PREPROCESS_LAUNCH
+    else:
+        settings = triton_gpu.launch_settings(head_dim, dtype, H100_SHARED_MEMORY, backward=kernel_name != "forward")
+    return settings["num_warps"], settings["num_stages"]
+
+
+def sweep(head_dims, dtypes, warps, stages) -> list[dict]:
+    knobs.nvidia.dump_ptxas_log = True        # ptxas -v's report goes to stdout, captured per kernel
+    knobs.compilation.always_compile = True   # a cached kernel would print no report
+    rows = []
+    for dtype_name in dtypes:
+        for head_dim in head_dims:
+            for kernel_name, kernel in KERNELS.items():
+                chosen = launched(kernel_name, head_dim, DTYPES[dtype_name])
+                settings = {chosen} if kernel_name == "preprocess" else \
+                    {(w, s) for w in warps for s in stages} | {chosen}
+                for w, s in sorted(settings):
+                    row = {"kernel": kernel_name, "dtype": dtype_name, "head_dim": head_dim, "warps": w, "stages": s,
+                           "launched": (w, s) == chosen}
+                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, DTYPES[dtype_name]),
+                                                dtype_name, w, s))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Why a setting the backend launches would be slow or fail on an H100."""
+    found = []
+    for r in rows:
+        if not r["launched"]:
+            continue
+        name = f"{r['kernel']} {r['dtype']} D={r['head_dim']} warps={r['warps']} stages={r['stages']}"
+        if r["spill_bytes"]:
+            found.append(f"{name} spills {r['spill_bytes']} bytes")
+        if r["shared_bytes"] > H100_SHARED_MEMORY:
+            found.append(f"{name} needs {r['shared_bytes']} bytes of shared memory")
+        if r["stages"] > 1 and r["kernel"] != "preprocess" and not r["pipelined"]:
+            found.append(f"{name} is not software-pipelined")
+    return found
+
+
+def to_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Triton kernels lowered for sm_90 (H100/H200), block {BLOCK}", "",
+             f"triton {meta['triton']}, torch {meta['torch']}; read from `ptxas -v`, no GPU involved. "
+             "**bold** = the setting the backend launches on an H100. Registers are per thread (255 at most); "
+             f"shared memory is per block ({H100_SHARED_MEMORY // 1024} KB at most on sm_90).", "",
+             "| kernel | dtype | D | warps | stages | registers | spill bytes | shared KB | pipelined |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        cells = [r["kernel"], r["dtype"], str(r["head_dim"]), str(r["warps"]), str(r["stages"]), str(r["registers"]),
+                 str(r["spill_bytes"]), f"{r['shared_bytes'] / 1024:.1f}", "yes" if r["pipelined"] else "no"]
+        if r["launched"]:
+            cells = [f"**{c}**" for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    found = problems(rows)
+    lines += ["", "Launched settings: " + ("; ".join(found) if found else "none spills, all fit, loops pipelined."), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    rows = sweep(args.head_dim, args.dtype, args.warps, args.stages)
+    meta = {"triton": triton.__version__, "torch": torch.__version__, "target": "cuda sm_90", "block": BLOCK}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "triton_resources.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    (args.out / "triton_resources.md").write_text(to_markdown(rows, meta))
+    print(f"wrote {args.out / 'triton_resources.json'} and {args.out / 'triton_resources.md'}")
+    found = problems(rows)
+    if found:
+        sys.exit("launched settings with problems:\n  " + "\n  ".join(found))
+
+
+if __name__ == "__main__":
+    main()
