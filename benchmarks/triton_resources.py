@@ -1,18 +1,18 @@
 """What the Triton kernels cost an H100, read from the compiler, with no GPU: registers, spills, shared memory.
 
-    python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32] [--warps 4 8] [--stages 1 2 3]
+    python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32] [--sweep] [--ragged]
                                           [--out benchmarks/results]
 
 Each of the four kernels of ``sparse_attn/backends/triton_gpu.py`` is lowered for sm_90 (H100/H200)
 exactly as a launch would specialise it (16-byte aligned pointers, unit stride along head_dim),
 then assembled by Triton's bundled ``ptxas -v``. For every (kernel, head_dim, dtype, warps, stages)
 it records the registers per thread, the bytes spilled to local memory, the shared memory per
-block, and whether the key-block loop is software-pipelined; the row of the setting the backend
-itself launches with (``triton_gpu.launch_settings``) is marked. Without a flag it sweeps the
-settings the backend chooses between. This is static information, not speed: it shows that what
-the backend launches compiles for Hopper without spilling and fits its 227 KB of shared memory.
-Writes ``triton_resources.json`` and ``triton_resources.md`` into ``--out``; exits 1 if a launched
-setting spills or does not fit.
+block, and whether the key-block loop is software-pipelined. By default only the setting the
+backend launches with (``triton_gpu.launch_settings``) is compiled; ``--sweep`` adds 4 and 8 warps
+x 1..3 stages, the evidence behind that choice. ``--ragged`` compiles for N not a multiple of the
+block (bounds-masked loads). This is static information, not speed. Writes
+``triton_resources.json`` and ``triton_resources.md`` into ``--out``; exits 1 if a launched setting
+needs more than the 227 KB of shared memory of sm_90 or its key-block loop is not pipelined.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 from sparse_attn.backends import triton_gpu  # noqa: E402
 
 H100_SHARED_MEMORY = 227 * 1024   # bytes a block may opt in to on sm_90
@@ -59,12 +60,12 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
     return ASTSource(kernel, types, constexprs, attrs)
 
 
-def constants(kernel_name: str, head_dim: int, dtype: torch.dtype) -> dict:
-    """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input with N a multiple of BLOCK."""
+def constants(kernel_name: str, head_dim: int, dtype: torch.dtype, ragged: bool) -> dict:
+    """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input; ``ragged``: N % BLOCK != 0."""
     block_d = triton_gpu.padded_head_dim(head_dim)
     if kernel_name == "preprocess":
         return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, HAS_DLSE=True)
-    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, EVEN_Q=True, EVEN_K=True,
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, EVEN_Q=not ragged, EVEN_K=not ragged,
                 PRECISION=triton_gpu.dot_precision(dtype))
 
 
@@ -93,7 +94,7 @@ def launched(kernel_name: str, head_dim: int, dtype: torch.dtype) -> tuple[int, 
     return settings["num_warps"], settings["num_stages"]
 
 
-def sweep(head_dims, dtypes, warps, stages) -> list[dict]:
+def compile_all(head_dims, dtypes, sweep: bool, ragged: bool) -> list[dict]:
     knobs.nvidia.dump_ptxas_log = True        # ptxas -v's report goes to stdout, captured per kernel
     knobs.compilation.always_compile = True   # a cached kernel would print no report
     rows = []
@@ -101,27 +102,35 @@ def sweep(head_dims, dtypes, warps, stages) -> list[dict]:
         for head_dim in head_dims:
             for kernel_name, kernel in KERNELS.items():
                 chosen = launched(kernel_name, head_dim, DTYPES[dtype_name])
-                settings = {chosen} if kernel_name == "preprocess" else \
-                    {(w, s) for w in warps for s in stages} | {chosen}
+                settings = {chosen}
+                if sweep and kernel_name != "preprocess":
+                    settings |= {(w, s) for w in (4, 8) for s in (1, 2, 3)}
                 for w, s in sorted(settings):
-                    row = {"kernel": kernel_name, "dtype": dtype_name, "head_dim": head_dim, "warps": w, "stages": s,
-                           "launched": (w, s) == chosen}
-                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, DTYPES[dtype_name]),
+                    row = {"kernel": kernel_name, "dtype": dtype_name, "head_dim": head_dim, "ragged": ragged,
+                           "warps": w, "stages": s, "launched": (w, s) == chosen}
+                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, DTYPES[dtype_name], ragged),
                                                 dtype_name, w, s))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     return rows
 
 
+def _name(r: dict) -> str:
+    return f"{r['kernel']} {r['dtype']} D={r['head_dim']} warps={r['warps']} stages={r['stages']}"
+
+
+def spills(rows: list[dict]) -> list[str]:
+    """The launched settings that spill registers to local memory (slower, still correct)."""
+    return [f"{_name(r)}: {r['spill_bytes']} bytes" for r in rows if r["launched"] and r["spill_bytes"]]
+
+
 def problems(rows: list[dict]) -> list[str]:
-    """Why a setting the backend launches would be slow or fail on an H100."""
+    """Why a setting the backend launches would fail or lose its pipelining on an H100."""
     found = []
     for r in rows:
         if not r["launched"]:
             continue
-        name = f"{r['kernel']} {r['dtype']} D={r['head_dim']} warps={r['warps']} stages={r['stages']}"
-        if r["spill_bytes"]:
-            found.append(f"{name} spills {r['spill_bytes']} bytes")
+        name = _name(r)
         if r["shared_bytes"] > H100_SHARED_MEMORY:
             found.append(f"{name} needs {r['shared_bytes']} bytes of shared memory")
         if r["stages"] > 1 and r["kernel"] != "preprocess" and not r["pipelined"]:
@@ -131,7 +140,8 @@ def problems(rows: list[dict]) -> list[str]:
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Triton kernels lowered for sm_90 (H100/H200), block {BLOCK}", "",
-             f"triton {meta['triton']}, torch {meta['torch']}; read from `ptxas -v`, no GPU involved. "
+             f"triton {meta['triton']}, torch {meta['torch']}; read from `ptxas -v`, no GPU involved; "
+             f"N {'not ' if meta['ragged'] else ''}a multiple of the block. "
              "**bold** = the setting the backend launches on an H100. Registers are per thread (255 at most); "
              f"shared memory is per block ({H100_SHARED_MEMORY // 1024} KB at most on sm_90).", "",
              "| kernel | dtype | D | warps | stages | registers | spill bytes | shared KB | pipelined |",
@@ -142,8 +152,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         if r["launched"]:
             cells = [f"**{c}**" for c in cells]
         lines.append("| " + " | ".join(cells) + " |")
-    found = problems(rows)
-    lines += ["", "Launched settings: " + ("; ".join(found) if found else "none spills, all fit, loops pipelined."), ""]
+    lines += ["", "Launched settings that spill: " + ("; ".join(spills(rows)) or "none") + ".",
+              "Launched settings that do not fit or are not pipelined: " + ("; ".join(problems(rows)) or "none") + ".",
+              ""]
     return "\n".join(lines)
 
 
@@ -151,12 +162,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
-    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--sweep", action="store_true", help="also compile 4 and 8 warps x 1..3 stages")
+    parser.add_argument("--ragged", action="store_true", help="N not a multiple of the block (masked loads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    rows = sweep(args.head_dim, args.dtype, args.warps, args.stages)
-    meta = {"triton": triton.__version__, "torch": torch.__version__, "target": "cuda sm_90", "block": BLOCK}
+    rows = compile_all(args.head_dim, args.dtype, args.sweep, args.ragged)
+    meta = {"triton": triton.__version__, "torch": torch.__version__, "target": "cuda sm_90", "block": BLOCK,
+            "ragged": args.ragged, "command": " ".join(["python", *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "triton_resources.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (args.out / "triton_resources.md").write_text(to_markdown(rows, meta))

@@ -4,6 +4,7 @@ Without a GPU the same kernels run on CPU tensors in Triton's interpreter (TRITO
 by tests/conftest.py before anything imports Triton), so shapes stay tiny; with CUDA the tests run
 on the GPU.
 """
+import json
 import os
 import subprocess
 import sys
@@ -217,53 +218,25 @@ def test_torch_compile_through_sparse_attention():
 # ------------------------------------------------------------------------------------------------
 # GPU code generation without a GPU
 # ------------------------------------------------------------------------------------------------
-_COMPILE_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from sparse_attn.backends import triton_gpu as tg
-
-FP32 = {"Lse", "DLse", "Delta", "Lse2"}
-HALF = {"Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"}
-
-
-def compile_for_h100(kernel, constants, warps, stages):
-    # Pointers and runtime sizes get the 16-byte divisibility and stride-1 specialisations a launch gives.
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constants or name.startswith("stride_") and name.endswith("d"):
-            signature[name], constexprs[(i,)] = "constexpr", constants.get(name, 1)
-            continue
-        signature[name] = ("*fp32" if name in FP32 else "*bf16" if name in HALF else "*u8" if name == "Masks"
-                           else "*i32" if name[0].isupper() else "fp32" if "scale" in name else "i32")
-        if signature[name][0] == "*" or name.startswith("n_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    assert "async_copy_global_to_local" in compiled.asm["ttgir"] or stages == 1, "loads are not pipelined"
-
-
-for head_dim, even in ((64, True), (24, False)):
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK=64, EVEN_Q=even,
-                EVEN_K=even, PRECISION="tf32")
-    compile_for_h100(tg._fwd_kernel, meta, 4, 3)
-    compile_for_h100(tg._bwd_preprocess_kernel, dict(HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=64,
-                                                     HAS_DLSE=True), 4, 1)
-    compile_for_h100(tg._bwd_kv_kernel, meta, 4, 2)
-    compile_for_h100(tg._bwd_q_kernel, meta, 4, 2)
-print("compiled")
-"""
-
-
 @pytest.mark.skipif(ON_CUDA, reason="on CUDA the value tests compile and run the kernels")
-def test_kernels_compile_for_an_h100_without_a_gpu():
-    """The interpreter runs the kernels' Python; this lowers them to PTX/cubin for sm_90 (bf16), as a GPU would."""
+@pytest.mark.parametrize("flags", [["--head-dim", "64", "128", "--dtype", "bf16"],
+                                   ["--head-dim", "24", "--dtype", "fp16", "fp32", "--ragged"]])
+def test_kernels_compile_for_an_h100_without_a_gpu(flags, tmp_path):
+    """The interpreter runs the kernels' Python; this lowers them to PTX/cubin for sm_90, as a GPU would, with
+    the launch settings the backend picks on an H100: they fit in shared memory and their loops are pipelined."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], capture_output=True, text=True, env=env,
-                            cwd=REPO, timeout=300)
+    script = os.path.join(REPO, "benchmarks", "triton_resources.py")
+    result = subprocess.run([sys.executable, script, *flags, "--out", str(tmp_path)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=600)
     if result.returncode and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("Triton's bundled ptxas is missing")
-    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "triton_resources.json").read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"forward", "preprocess", "dk_dv", "dq"} and all(r["launched"] for r in rows)
+    for r in rows:
+        assert r["shared_bytes"] <= 227 * 1024 and (r["pipelined"] or r["kernel"] == "preprocess"), r
+        if r["dtype"] != "fp32" and r["head_dim"] <= 64:  # half precision up to head_dim 64 keeps all in registers
+            assert r["spill_bytes"] == 0, r
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,3 +288,11 @@ def test_available_reports_the_mode():
     usable, reason = triton_gpu.available()
     assert usable
     assert ON_CUDA or "interpreter" in reason
+
+
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter runs CPU tensors only")
+def test_an_old_interpreter_with_a_new_numpy_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(triton_gpu, "_INTERPRETER_NUMPY_CLASH", True)
+    q = k = v = torch.randn(1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match=r"interpreter cannot run with numpy.*'triton>=3.7' or 'numpy<2.4'"):
+        sparse_attention(q, k, v, sa.Local(4), backend="triton")

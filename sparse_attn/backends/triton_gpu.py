@@ -40,6 +40,7 @@ import contextlib
 import functools
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +56,12 @@ _LOG2E = 1.4426950408889634
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
+@triton.jit
+def _matrix(base, b, h, stride_b, stride_h):
+    """Pointer to the (N, D) matrix of example ``b``, head ``h`` in a (B, H, N, D) tensor (64-bit offsets)."""
+    return base + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
 @triton.jit
 def _load_tile(base, rows, stride_n, stride_d, n, dims, HEAD_DIM: tl.constexpr, EVEN_ROWS: tl.constexpr):
     """A (len(rows), BLOCK_D) tile of a (n, HEAD_DIM) matrix, zero past the sequence and head_dim."""
@@ -119,9 +126,9 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     kvh = h // groups
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    q_base = _matrix(Q, b, h, stride_qb, stride_qh)
+    k_base = _matrix(K, b, kvh, stride_kb, stride_kh)
+    v_base = _matrix(V, b, kvh, stride_vb, stride_vh)
     q = _load_tile(q_base, queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM, EVEN_Q)  # (BLOCK_M, BLOCK_D)
 
     m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -148,7 +155,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     l_i = tl.where(empty, 1.0, l_i)
     out = acc / l_i[:, None]                                              # (BLOCK_M, BLOCK_D)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / 1.4426950408889634)
-    o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + queries[:, None] * stride_on \
+    o_ptrs = _matrix(Out, b, h, stride_ob, stride_oh) + queries[:, None] * stride_on \
         + dims[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
     tl.store(Lse + bh.to(tl.int64) * n_q + queries, lse, mask=queries < n_q)
@@ -167,10 +174,10 @@ def _bwd_preprocess_kernel(Out, DOut, Lse, DLse, Delta, Lse2,
     h = bh % heads
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
-    o = _load_tile(Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh, queries, stride_on, stride_od,
-                   n_q, dims, HEAD_DIM, False).to(tl.float32)                       # (BLOCK_M, BLOCK_D)
-    do = _load_tile(DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh, queries, stride_dn,
-                    stride_dd, n_q, dims, HEAD_DIM, False).to(tl.float32)
+    o = _load_tile(_matrix(Out, b, h, stride_ob, stride_oh), queries, stride_on, stride_od, n_q, dims, HEAD_DIM,
+                   False).to(tl.float32)                                            # (BLOCK_M, BLOCK_D)
+    do = _load_tile(_matrix(DOut, b, h, stride_db, stride_dh), queries, stride_dn, stride_dd, n_q, dims, HEAD_DIM,
+                    False).to(tl.float32)
     delta = tl.sum(o * do, 1)                                                        # (BLOCK_M,)
     rows = bh.to(tl.int64) * n_q + queries
     if HAS_DLSE:
@@ -219,17 +226,17 @@ def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV,
     kvh = bkv % kv_heads
     keys = col * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
-    k = _load_tile(K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh, keys, stride_kn, stride_kd,
-                   n_k, dims, HEAD_DIM, EVEN_K)                                             # (BLOCK_N, BLOCK_D)
-    v = _load_tile(V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh, keys, stride_vn, stride_vd,
-                   n_k, dims, HEAD_DIM, EVEN_K)
+    k = _load_tile(_matrix(K, b, kvh, stride_kb, stride_kh), keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM,
+                   EVEN_K)                                                                  # (BLOCK_N, BLOCK_D)
+    v = _load_tile(_matrix(V, b, kvh, stride_vb, stride_vh), keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM,
+                   EVEN_K)
     dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     no_mask = (tl.arange(0, BLOCK) < BLOCK)[:, None]
     for g in range(groups):  # every query head that reads this kv head, in a fixed order
         h = kvh * groups + g
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        q_base = _matrix(Q, b, h, stride_qb, stride_qh)
+        do_base = _matrix(DOut, b, h, stride_db, stride_dh)
         stats = (b * heads + h).to(tl.int64) * n_q
         ptr = b * stride_pb + h * stride_ph + col
         for i in range(tl.load(FullTPtr + ptr), tl.load(FullTPtr + ptr + 1)):
@@ -283,15 +290,15 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
     kvh = h // groups
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, queries, stride_qn, stride_qd,
-                   n_q, dims, HEAD_DIM, EVEN_Q)                                              # (BLOCK_M, BLOCK_D)
-    do = _load_tile(DOut + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh, queries, stride_dn,
-                    stride_dd, n_q, dims, HEAD_DIM, EVEN_Q)
+    q = _load_tile(_matrix(Q, b, h, stride_qb, stride_qh), queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM,
+                   EVEN_Q)                                                                   # (BLOCK_M, BLOCK_D)
+    do = _load_tile(_matrix(DOut, b, h, stride_db, stride_dh), queries, stride_dn, stride_dd, n_q, dims, HEAD_DIM,
+                    EVEN_Q)
     stats = bh.to(tl.int64) * n_q + queries
     lse2 = tl.load(Lse2 + stats, mask=queries < n_q, other=float("inf"))
     delta = tl.load(Delta + stats, mask=queries < n_q, other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_base = _matrix(K, b, kvh, stride_kb, stride_kh)
+    v_base = _matrix(V, b, kvh, stride_vb, stride_vh)
     dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     ptr = b * stride_pb + h * stride_ph + row
     in_keys = (tl.arange(0, BLOCK) < BLOCK)[None, :]
@@ -315,6 +322,15 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
 # it is then: for our kernels at this import, for Triton's own (tl.zeros, tl.sum) at `import triton`.
 _INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
 _MIXED_MODES = _INTERPRETED != (not isinstance(tl.zeros, triton.runtime.JITFunction))
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+# Triton's interpreter before 3.7 takes int() of 1-element arrays for loop bounds, an error since numpy 2.4.
+_INTERPRETER_NUMPY_CLASH = _version(triton.__version__) < (3, 7) and _version(np.__version__) >= (2, 4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,11 +358,16 @@ def padded_head_dim(head_dim: int) -> int:
 
 def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backward: bool) -> dict:
     """num_warps and num_stages (software-pipelining depth of the key-block loops) for a GPU whose blocks
-    may use ``shared_memory`` bytes: deep enough to hide load latency, shallow enough that the buffers
-    fit (float32 tiles are twice as large; sm_86/89 have about 100 KB)."""
+    may use ``shared_memory`` bytes.
+
+    Chosen from the kernels lowered for sm_90 (``benchmarks/triton_resources.py``): 8 warps where 4 would
+    spill registers (head_dim > 64; float32, whose exact matmuls run on FMA units, from head_dim 64), and
+    one stage fewer at head_dim > 64 on GPUs with under 128 KB of shared memory per block (sm_86/89).
+    """
     stages = 2 if backward else 3
-    big_tiles = head_dim > 64 and (dtype == torch.float32 or shared_memory < 128 * 1024)
-    return dict(num_warps=4 if head_dim <= 64 else 8, num_stages=stages - 1 if big_tiles else stages)
+    wide = head_dim > 64 or (dtype == torch.float32 and head_dim > 32)
+    return dict(num_warps=8 if wide else 4,
+                num_stages=stages - 1 if head_dim > 64 and shared_memory < 128 * 1024 else stages)
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,6 +500,10 @@ def check(q, k, v, layout: BlockLayout) -> None:
             raise RuntimeError("TRITON_INTERPRET=1 was set after Triton (or sparse_attn's Triton kernels) had been "
                                "imported, e.g. by torch.compile, so the kernels cannot run on CPU; set it before the "
                                "first `import triton` (in the shell: TRITON_INTERPRET=1 python ...)")
+        if _INTERPRETER_NUMPY_CLASH:
+            raise RuntimeError(f"Triton {triton.__version__}'s interpreter cannot run with numpy {np.__version__} (it "
+                               f"calls int() on 1-element arrays, an error since numpy 2.4); pip install "
+                               f"'triton>=3.7' or 'numpy<2.4' to run backend='triton' on CPU tensors")
     elif q.device.type != "cuda":
         raise RuntimeError(f"backend='triton' runs CUDA tensors, got q on {q.device}; use backend='reference'")
     if _MIXED_MODES:
