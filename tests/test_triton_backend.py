@@ -96,6 +96,8 @@ CASES = {
                  sa.PerHead([sa.Local(8), sa.Stride(5) | sa.Global(first=1), sa.Random(2, seed=3), sa.Dense()]), {}),
     "random": (2, 2, 2, 112, 112, 16, sa.Random(2, seed=7) | sa.Local(4), {}),
     "block32-d64": (1, 2, 2, 130, 130, 64, sa.Local(32) | sa.Global(first=1), {"block_size": 32}),
+    "block128-ragged": (1, 2, 1, 200, 200, 32, sa.Local(40) | sa.Global(first=3), {"block_size": 128}),
+    "head-dim-128": (1, 2, 1, 70, 70, 128, sa.Local(16) | sa.Global(first=1), {}),
     "head-dim-24-padded": (1, 2, 2, 50, 50, 24, sa.Local(10), {}),
     "head-dim-8-padded": (1, 2, 2, 40, 40, 8, sa.Local(6), {}),
 }
