@@ -1,6 +1,6 @@
 """What the Triton kernels cost an H100, read from the compiler, with no GPU: registers, spills, shared memory.
 
-    python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32] [--sweep] [--ragged]
+    python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32 tf32] [--sweep] [--ragged]
                                           [--out benchmarks/results]
 
 Each of the four kernels of ``sparse_attn/backends/triton_gpu.py`` is lowered for sm_90 (H100/H200)
@@ -40,7 +40,8 @@ H100_SHARED_MEMORY = 227 * 1024   # bytes a block may opt in to on sm_90
 BLOCK = 64                        # the layouts' default block size
 KERNELS = {"forward": triton_gpu._fwd_kernel, "preprocess": triton_gpu._bwd_preprocess_kernel,
            "dk_dv": triton_gpu._bwd_kv_kernel, "dq": triton_gpu._bwd_q_kernel}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "tf32": torch.float32}  # float32 with torch.backends.cuda.matmul.allow_tf32 = True
 _FLOAT32_POINTERS = {"Lse", "DLse", "Delta", "Lse2"}
 _DATA_POINTERS = {"Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"}
 
@@ -52,7 +53,8 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
         if name in constants or name.startswith("stride_") and name.endswith("d"):
             types[name], constexprs[(i,)] = "constexpr", constants.get(name, 1)
             continue
-        types[name] = ("*fp32" if name in _FLOAT32_POINTERS else f"*{dtype}" if name in _DATA_POINTERS
+        data = "fp32" if dtype == "tf32" else dtype
+        types[name] = ("*fp32" if name in _FLOAT32_POINTERS else f"*{data}" if name in _DATA_POINTERS
                        else "*u8" if name == "Masks" else "*i32" if name[0].isupper()
                        else "fp32" if "scale" in name else "i32")
         if types[name][0] == "*" or name.startswith("n_"):
@@ -60,13 +62,13 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
     return ASTSource(kernel, types, constexprs, attrs)
 
 
-def constants(kernel_name: str, head_dim: int, dtype: torch.dtype, ragged: bool) -> dict:
+def constants(kernel_name: str, head_dim: int, dtype_name: str, ragged: bool) -> dict:
     """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input; ``ragged``: N % BLOCK != 0."""
     block_d = triton_gpu.padded_head_dim(head_dim)
     if kernel_name == "preprocess":
         return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, HAS_DLSE=True)
     return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, EVEN_Q=not ragged, EVEN_K=not ragged,
-                PRECISION=triton_gpu.dot_precision(dtype))
+                PRECISION="tf32" if dtype_name == "tf32" else triton_gpu.dot_precision(DTYPES[dtype_name]))
 
 
 def compile_for_h100(kernel, constexprs: dict, dtype: str, warps: int, stages: int) -> dict:
@@ -108,7 +110,7 @@ def compile_all(head_dims, dtypes, sweep: bool, ragged: bool) -> list[dict]:
                 for w, s in sorted(settings):
                     row = {"kernel": kernel_name, "dtype": dtype_name, "head_dim": head_dim, "ragged": ragged,
                            "warps": w, "stages": s, "launched": (w, s) == chosen}
-                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, DTYPES[dtype_name], ragged),
+                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, dtype_name, ragged),
                                                 dtype_name, w, s))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -161,7 +163,8 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32", "tf32"], choices=list(DTYPES),
+                        help="tf32: float32 inputs with torch.backends.cuda.matmul.allow_tf32 = True")
     parser.add_argument("--sweep", action="store_true", help="also compile 4 and 8 warps x 1..3 stages")
     parser.add_argument("--ragged", action="store_true", help="N not a multiple of the block (masked loads)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

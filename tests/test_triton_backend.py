@@ -298,3 +298,15 @@ def test_an_old_interpreter_with_a_new_numpy_says_what_to_install(monkeypatch):
     q = k = v = torch.randn(1, 1, 16, 16)
     with pytest.raises(RuntimeError, match=r"interpreter cannot run with numpy.*'triton>=3.7' or 'numpy<2.4'"):
         sparse_attention(q, k, v, sa.Local(4), backend="triton")
+
+
+def test_too_little_shared_memory_says_what_to_change(monkeypatch):
+    """Triton's OutOfResources (a GPU with less shared memory than the tiles need) gains the fixes in our terms."""
+    def too_large(*args):
+        raise triton_gpu.triton.runtime.errors.OutOfResources(200704, 166912, "shared memory")
+
+    monkeypatch.setattr(triton_gpu, "_forward", too_large)
+    q = k = v = torch.randn(1, 1, 16, 128, device=DEVICE)
+    with pytest.raises(RuntimeError, match=r"shared memory.*head_dim=128, torch.float32, block_size=64.*"
+                                           r"bfloat16/float16.*smaller block_size.*backend='reference'"):
+        sparse_attention(q, k, v, sa.Local(4), backend="triton")

@@ -436,10 +436,24 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
 # ------------------------------------------------------------------------------------------------
 # torch.library registration: custom ops with fake (shape) and autograd implementations
 # ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _on_device(q: torch.Tensor, block: int):
+    """Run the launches on q's GPU; a kernel too large for this GPU's shared memory says what to change."""
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        try:
+            yield
+        except triton.runtime.errors.OutOfResources as error:
+            raise RuntimeError(
+                f"backend='triton': {error} (head_dim={q.shape[-1]}, {q.dtype}, block_size={block}). This GPU has "
+                f"too little shared memory for these tiles: use bfloat16/float16 inputs (float32 tiles take twice "
+                f"the room; TF32 more), a layout with a smaller block_size, or backend='reference'. "
+                f"docs/backend-triton.md lists what each setting needs.") from error
+
+
 @torch.library.custom_op("sparse_attn::triton_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], block: int,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with _on_device(q, block):
         return _forward(q, k, v, index, block, scale)
 
 
@@ -452,7 +466,7 @@ def _(q, k, v, index, block, scale):
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dlse: torch.Tensor | None, index: list[torch.Tensor], block: int,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with _on_device(q, block):
         return _backward(dout, q, k, v, out, lse, dlse, index, block, scale)
 
 
