@@ -177,6 +177,7 @@ def test_layouts_with_masks_are_cached_by_mask_values():
     assert torch.equal(changed.to_dense()[0, 0, :, 99], torch.zeros(100, dtype=torch.bool))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # tiny N: eager is the point
 def test_to_block_mask_matches_layout():
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     pattern = sa.Local(20) | sa.Global(first=3) | sa.Random(1, block_size=16)
