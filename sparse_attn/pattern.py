@@ -505,20 +505,28 @@ class Random(Pattern):
         return self._choose(ctx, excluded=None)
 
     def _choose(self, ctx: _Ctx, excluded: Pattern | None) -> _RandomTiles:
-        """Pick tiles row by row, skipping tiles that ``excluded`` (a resolved rule) touches."""
+        """Pick tiles row by row, skipping tiles that ``excluded`` (a resolved rule) touches.
+
+        A tile row's picks depend on that row alone, so only the rows holding a query are picked: a
+        decode step (n_q = 1) costs one row, and sees the tiles the full sequence's last row sees.
+        """
         u = self.block_size
-        square = _Ctx(ctx.n_k, ctx.n_k, ctx.head)  # tiles cover every position, whatever n_q is
         n_qt = n_kt = _n_blocks(ctx.n_k, u)
-        blocked = np.zeros(0, dtype=np.int64) if excluded is None else block_table(excluded, square, u)[0]
+        first = max(ctx.n_k - ctx.n_q, 0) // u  # the tile row of the first query position
+        rows_ctx = _Ctx(ctx.n_k - first * u, ctx.n_k, ctx.head)  # bottom-right aligned: block row r = tile first + r
+        blocked = np.zeros(0, dtype=np.int64)
+        if excluded is not None:
+            blocked = block_table(excluded, rows_ctx, u)[0] + first * n_kt
         taken = blocked
-        rows = np.arange(n_qt, dtype=np.int64)
+        rows = np.arange(first, n_qt, dtype=np.int64)
         n_free = n_kt - _count_in(taken, rows * n_kt, rows * n_kt + n_kt - 1)
         for t in range(min(self.blocks, n_kt)):
-            active = rows[n_free > t]
+            live = n_free > t
+            active = rows[live]
             if active.size == 0:
                 break
             # the pick-th free tile of the row: least c with c - #taken(<= c) == pick (monotone fixed point)
-            pick = (_hash(self.seed, ctx.head, active, t) % (n_free[active] - t).astype(np.uint64)).astype(np.int64)
+            pick = (_hash(self.seed, ctx.head, active, t) % (n_free[live] - t).astype(np.uint64)).astype(np.int64)
             c = pick
             while True:
                 c_next = pick + _count_in(taken, active * n_kt, active * n_kt + c)

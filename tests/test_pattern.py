@@ -54,6 +54,22 @@ def test_decode_step_sees_what_the_last_row_of_the_full_sequence_sees():
         assert torch.equal(pattern.mask(n, 40, heads=2), full[:, -n:]), n
 
 
+@pytest.mark.parametrize("pattern", [
+    sa.Random(2, seed=1, block_size=8),
+    sa.Local(6) | sa.Global(first=3, last=2) | sa.Random(2, seed=4, block_size=8),
+    sa.bigbird(block=8, window_blocks=3, global_blocks=1, random_blocks=2, seed=5),
+    (sa.Local(4, 0) | sa.Random(1, seed=2, block_size=16)) & sa.Causal(),
+], ids=repr)
+def test_random_blocks_of_a_position_do_not_depend_on_n_q(pattern):
+    """Random blocks are picked only for the tile rows holding a query; every query still sees what the same
+    position sees in the full sequence, whatever n_q (decode, chunked prefill, n_q > n_k)."""
+    n_k = 83
+    full = pattern.mask(n_k, heads=3)
+    for n_q in (1, 8, 9, 40, 67, 68, 75, 76, 82):  # across tile-row boundaries of block sizes 8 and 16
+        assert torch.equal(pattern.mask(n_q, n_k, heads=3), full[:, -n_q:]), n_q
+    assert torch.equal(pattern.mask(n_k + 10, n_k, heads=3)[:, 10:], full)
+
+
 def test_global_tokens_beyond_length_are_ignored():
     assert torch.equal(sa.Global(tokens=(1, 100)).mask(4), sa.Global(tokens=(1,)).mask(4))
 
