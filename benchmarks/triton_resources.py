@@ -64,11 +64,11 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
 
 def constants(kernel_name: str, head_dim: int, dtype_name: str, ragged: bool) -> dict:
     """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input; ``ragged``: N % BLOCK != 0."""
-    block_d = triton_gpu.padded_head_dim(head_dim)
+    n = 4 * BLOCK + ragged
+    meta = triton_gpu.kernel_constants(head_dim, DTYPES[dtype_name], n, n, BLOCK)
     if kernel_name == "preprocess":
-        return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, HAS_DLSE=True)
-    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK=BLOCK, EVEN_Q=not ragged, EVEN_K=not ragged,
-                PRECISION="tf32" if dtype_name == "tf32" else triton_gpu.dot_precision(DTYPES[dtype_name]))
+        return dict(HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=BLOCK, HAS_DLSE=True)
+    return meta | ({"PRECISION": "tf32"} if dtype_name == "tf32" else {})
 
 
 def compile_for_h100(kernel, constexprs: dict, dtype: str, warps: int, stages: int) -> dict:

@@ -292,6 +292,12 @@ def test_available_reports_the_mode():
     assert ON_CUDA or "interpreter" in reason
 
 
+@pytest.mark.parametrize("text, version", [("3.6.0", (3, 6)), ("3.7.0+git9844da95", (3, 7)), ("2.4.0rc1", (2, 4)),
+                                           ("2.10.1", (2, 10))])
+def test_versions_compare_by_major_and_minor(text, version):
+    assert triton_gpu._version(text) == version
+
+
 @pytest.mark.skipif(ON_CUDA, reason="the interpreter runs CPU tensors only")
 def test_an_old_interpreter_with_a_new_numpy_says_what_to_install(monkeypatch):
     monkeypatch.setattr(triton_gpu, "_INTERPRETER_NUMPY_CLASH", True)

@@ -378,11 +378,14 @@ def _shared_memory(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 1 << 30)
 
 
-def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
-    """Compile-time constants shared by the kernels."""
-    head_dim = q.shape[-1]
+def kernel_constants(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, block: int) -> dict:
+    """Compile-time constants of the attention kernels for (B, H, n_q / n_k, head_dim) inputs of ``dtype``."""
     return dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK=block,
-                EVEN_Q=q.shape[2] % block == 0, EVEN_K=k.shape[2] % block == 0, PRECISION=dot_precision(q.dtype))
+                EVEN_Q=n_q % block == 0, EVEN_K=n_k % block == 0, PRECISION=dot_precision(dtype))
+
+
+def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
+    return kernel_constants(q.shape[-1], q.dtype, q.shape[2], k.shape[2], block)
 
 
 PREPROCESS_LAUNCH = dict(num_warps=4, num_stages=1)   # one pass over a (BLOCK, D) tile: nothing to pipeline
@@ -410,7 +413,7 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
         part_t_mask = index
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
-    meta = _meta(q, k, block)
+    meta, launch = _meta(q, k, block), _launch(q, backward=True)
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq) fp32
     lse2 = torch.empty_like(lse)
     q_grid = (triton.cdiv(n_q, block), batch * heads)
@@ -425,11 +428,11 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
         *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E, n_q, n_k, heads, kv_heads, heads // kv_heads,
-        **_launch(q, backward=True), **meta)
+        **launch, **meta)
     _bwd_q_kernel[q_grid](
         q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
         *common, *_layout_strides(full_ptr), scale, scale * _LOG2E, n_q, n_k, heads, heads // kv_heads,
-        **_launch(q, backward=True), **meta)
+        **launch, **meta)
     return dq, dk, dv
 
 
