@@ -29,10 +29,12 @@ Rules see positions; blocks and masks are indexed by query row.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class _Ctx(NamedTuple):
@@ -134,6 +136,8 @@ class Pattern:
                 [1, 1, 0],
                 [1, 1, 1]], dtype=torch.int32)
         """
+        import torch  # here, not at module level: specs and the CLI's --help need no torch
+
         n_q, n_k = _check_lengths(n_q, n_k)
         self._check_heads(heads)
         i = np.arange(n_q, dtype=np.int64)[:, None] + (n_k - n_q)       # query positions
