@@ -1,9 +1,11 @@
 """sparse_attn.integrations.transformers: attn_implementation="sparse_attn" for BERT, RoBERTa and Llama
-(GQA), against the models' own eager attention; training, generation with a KV cache, to_long_model."""
+(GQA), against the models' own eager attention; training, generation with a dynamic and a static KV cache,
+to_long_model; models it cannot run (own attention layers, cross-attention, score changes) are refused."""
 import copy
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from sparse_attn import backends
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
-                          BertConfig, LlamaConfig, RobertaConfig)
+                          BartConfig, BertConfig, BigBirdConfig, Gemma2Config, LlamaConfig, LongformerConfig,
+                          MistralConfig, RobertaConfig, T5Config, T5EncoderModel)
 
 from sparse_attn.integrations.transformers import register, to_long_model  # noqa: E402
 
@@ -65,11 +68,17 @@ def test_dense_pattern_equals_eager_attention(kind):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_attention_weights_are_not_returned():
-    _, ours = _twins("bert", LOCAL)
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_output_attentions_warns_and_returns_what_sdpa_returns(kind):
+    _, ours = _twins(kind, LOCAL)
+    _, sdpa = _twins(kind, "sdpa")
     ids, mask = _batch()
-    outputs = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
-    assert outputs.attentions is not None and all(a is None for a in outputs.attentions)
+    with pytest.warns(UserWarning, match="does not support output_attentions=True: sparse_attn never materialises"):
+        outputs = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert outputs.attentions == sdpa(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours(input_ids=ids, attention_mask=mask)
 
 
 def test_dense_pattern_equals_eager_with_left_padding():
@@ -160,6 +169,92 @@ def test_generate_with_causal_sparse_pattern():
     cached = model.generate(ids, use_cache=True, **options)
     assert cached.shape == (3, 20)
     torch.testing.assert_close(cached, model.generate(ids, use_cache=False, **options))
+
+
+@pytest.mark.parametrize("left_padding", [False, True])
+def test_static_cache_generates_what_the_dynamic_cache_generates(left_padding):
+    """A static cache hands the attention all its slots; only the written ones are keys, the queries the last."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    ids, mask = _batch(n=12, left=left_padding)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=mask)
+    static = model.generate(ids, cache_implementation="static", **options)
+    torch.testing.assert_close(static, model.generate(ids, **options))
+    no_padding = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    torch.testing.assert_close(no_padding, model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+
+def test_sliding_window_cache_is_refused():
+    """A sliding-window layer's cache drops old keys: positions shift and a pattern's global keys are gone."""
+    torch.manual_seed(0)
+    config = MistralConfig(**{k: v for k, v in _config("llama").to_dict().items() if k in _config("llama").__dict__},
+                           sliding_window=6)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=LOCAL).eval()
+    ids, _ = _batch(n=12)
+    with pytest.raises(ValueError, match="the model's cache dropped the first .* build the model with "
+                                         "config.sliding_window=None"):
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_cached_call_needs_a_mask_over_cached_and_new_tokens():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    ids, mask = _batch(n=12)
+    cache = model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"attention_mask covers 2 tokens but the model sees 12 \(10 cached and 2 "
+                                         r"new\); pass an attention_mask over all of them"):
+        model(input_ids=ids[:, 10:], attention_mask=mask[:, 10:], past_key_values=cache)
+
+
+def test_4d_padding_mask_is_accepted_and_a_structured_one_refused():
+    eager, ours = _twins("bert", LOCAL)
+    ids, mask = _batch()
+    padding_4d = torch.zeros(3, 1, 40, 40).masked_fill(~mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=padding_4d).last_hidden_state,
+                               ours(input_ids=ids, attention_mask=mask).last_hidden_state)
+    with pytest.raises(ValueError, match=r"a 4D attention_mask of shape \(3, 1, 40, 40\) that is more than padding "
+                                         r"cannot be honoured"):
+        ours(input_ids=ids, attention_mask=_pattern_mask(sa.Local(2), mask, causal=False))
+
+
+_TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("config, layer", [
+    (LongformerConfig(**_TINY, attention_window=8), "LongformerSelfAttention"),
+    (BigBirdConfig(**_TINY), "BigBirdSelfAttention"),
+])
+def test_models_with_their_own_attention_layers_are_refused_when_built(config, layer):
+    """Longformer crashed at the first forward; BigBird silently ran its own attention."""
+    message = (f"{type(AutoModel.from_config(config)).__name__} computes attention in its own layers \\({layer}\\) "
+               f"instead of calling transformers' AttentionInterface, .* sparse_attn.nn.SparseSelfAttention")
+    with pytest.raises(ValueError, match=message):
+        AutoModel.from_config(config, attn_implementation=LOCAL)
+    with pytest.raises(ValueError, match=message):
+        to_long_model(AutoModel.from_config(config), 4096)
+
+
+def test_encoder_decoder_models_are_refused_when_built():
+    config = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="BartModel has cross-attention .* query i and key j are positions in two "
+                                         "different sequences"):
+        AutoModel.from_config(config, attn_implementation=DENSE)
+
+
+@pytest.mark.parametrize("build, argument", [
+    (lambda: AutoModel.from_config(Gemma2Config(**_TINY, num_key_value_heads=2, head_dim=8),
+                                   attn_implementation=DENSE), "softcap"),
+    (lambda: T5EncoderModel._from_config(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                                  vocab_size=VOCAB, is_encoder_decoder=False),
+                                         attn_implementation=DENSE), "position_bias"),
+])
+def test_models_that_change_the_scores_are_refused(build, argument):
+    """Gemma 2's soft-capping and T5's position bias were silently dropped."""
+    model = build().eval()
+    with pytest.raises(ValueError, match=f"passes {argument}= to the attention function.* use "
+                                         f"attn_implementation='sdpa' or 'eager' for this model"):
+        model(input_ids=torch.randint(3, VOCAB, (2, 10)))
 
 
 def test_to_long_model_tiles_positions_and_runs():

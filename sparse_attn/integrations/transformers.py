@@ -17,23 +17,35 @@ model's ``attn_implementation`` name (default ``Local(256) | Global(first=1)``, 
 ``attention_window=512`` with a global first token). Register several names to bind several
 patterns. Only the padding mask and causality come from the model: the model's own mask function
 (sliding windows, packed sequences, prefix-LM) is replaced by the pattern.
+
+Models that sparse_attn cannot run are refused when they are built with a registered name: models
+whose layers compute attention themselves instead of calling transformers' ``AttentionInterface``
+(Longformer, BigBird, DeBERTa, ...) and encoder-decoder models (their cross-attention relates two
+sequences). Attention that adds to the scores (T5's position bias, Gemma 2's soft-capping, learned
+sinks) is refused at the first forward.
 """
 from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+import warnings
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
 
 from ..api import sparse_attention
 from ..pattern import Global, Local, Pattern
 
-try:  # transformers >= 4.53 builds masks through a per-implementation mask function
-    from transformers.masking_utils import AttentionMaskInterface
-except ImportError:  # older versions hand the attention function a 4D mask
-    AttentionMaskInterface = None
-
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 _REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
+# Arguments transformers hands attention functions that change the scores; sparse_attn computes plain softmax.
+_SCORE_CHANGES = {"position_bias": "adds a position bias to the attention scores",     # T5, ALiBi models
+                  "softcap": "soft-caps the attention scores",                     # Gemma 2
+                  "s_aux": "adds learned attention sinks to the softmax"}          # gpt-oss
 
 
 def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backend: str = "auto") -> str:
@@ -42,9 +54,10 @@ def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backe
     >>> register(sa.Local(128) | sa.Global(first=1), name="longformer-128")  # doctest: +SKIP
     'longformer-128'
 
-    Registers the attention function (``AttentionInterface``) and, on transformers >= 4.53, the mask
-    function (``AttentionMaskInterface``) that hands it the model's padding mask. Calling it again
-    with the same name replaces the pattern.
+    Registers the attention function (``AttentionInterface``) and the mask function
+    (``AttentionMaskInterface``) that hands it the model's padding mask, and makes building a model
+    with ``attn_implementation=name`` raise a ValueError for models sparse_attn cannot run (see the
+    module docstring). Calling it again with the same name replaces the pattern.
     """
     pattern = DEFAULT_PATTERN if pattern is None else pattern
     if not isinstance(pattern, Pattern):
@@ -56,8 +69,8 @@ def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backe
         raise TypeError(f"backend must be a str ('auto', 'reference', 'numba' or 'triton'), got {backend!r}")
     _REGISTERED[name] = (pattern, backend)
     AttentionInterface.register(name, _attention_function(name))
-    if AttentionMaskInterface is not None:
-        AttentionMaskInterface.register(name, padding_mask)
+    AttentionMaskInterface.register(name, padding_mask)
+    _check_models_when_built()
     return name
 
 
@@ -66,20 +79,37 @@ def _attention_function(name: str):
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:
         """query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D) -> ((B, Nq, Hq, D), None), as transformers expects."""
+        _check_scores_unchanged(module, kwargs)
+        if kwargs.get("output_attentions"):
+            warnings.warn(f"attn_implementation={name!r} does not support output_attentions=True: sparse_attn never "
+                          f"materialises attention weights, so none are returned (as with 'sdpa'); build the model "
+                          f"with attn_implementation='eager' to get them", stacklevel=2)
         pattern, backend = _REGISTERED[name]
         pattern = model_pattern(getattr(module, "config", None), pattern)
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
+        key_padding_mask = _key_padding_mask(attention_mask, key, causal)                  # (B, n_written) or None
+        if key_padding_mask is not None:
+            # A static cache hands over all its slots; only the first n_written hold keys.
+            n_written = key_padding_mask.shape[1]
+            key, value = key[:, :, :n_written], value[:, :, :n_written]                 # (B, Hkv, Nk, D)
         # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
-        out = sparse_attention(query, key, value, pattern, causal=causal,
-                               key_padding_mask=_key_padding_mask(attention_mask, key), scale=scaling,
-                               backend=backend)                                    # (B, Hq, Nq, D)
+        out = sparse_attention(query, key, value, pattern, causal=causal, key_padding_mask=key_padding_mask,
+                               scale=scaling, backend=backend)                             # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return out.transpose(1, 2).contiguous(), None
 
     sparse_attn_forward.__qualname__ = sparse_attn_forward.__name__ = f"sparse_attn_forward[{name}]"
     return sparse_attn_forward
+
+
+def _check_scores_unchanged(module: nn.Module, kwargs: dict) -> None:
+    for argument, what in _SCORE_CHANGES.items():
+        if kwargs.get(argument) is not None:
+            raise ValueError(f"{type(module).__name__} {what} (it passes {argument}= to the attention function), "
+                             f"which sparse_attn does not compute: the result would silently differ from the "
+                             f"model's; use attn_implementation='sdpa' or 'eager' for this model")
 
 
 def model_pattern(config, default: Pattern) -> Pattern:
@@ -95,32 +125,67 @@ def model_pattern(config, default: Pattern) -> Pattern:
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """The mask function transformers calls: the 2D padding mask (B, kv_length), True = real token, or None.
+    """The mask function transformers calls: the 2D padding mask (B, n_written), True = real token, or None.
 
     The pattern (not ``mask_function``) decides which pairs interact; only padding passes through.
+    ``n_written = q_offset + q_length`` keys hold tokens (the queries are the last of them); a static
+    cache has ``kv_length`` slots, the rest not yet written: then the mask is returned even without
+    padding, and its width tells the attention function how many keys to use.
+    """
+    if kv_offset != 0:
+        raise ValueError(f"the model's cache dropped the first {kv_offset} keys (a sliding-window layer: "
+                         f"config.sliding_window or layer_types), so key positions no longer start at the sequence "
+                         f"start and the keys a pattern may need are gone; build the model with "
+                         f"config.sliding_window=None (every layer full attention): the sparse_attn pattern decides "
+                         f"which keys each query sees")
+    n_written = int(q_offset) + q_length
+    if n_written > kv_length:
+        raise ValueError(f"queries at positions {int(q_offset)}..{n_written - 1} but only {kv_length} keys: "
+                         f"sparse_attn aligns the queries with the last keys, which this cache does not provide")
+    if attention_mask is None:
+        return None if n_written == kv_length else torch.ones(batch_size, n_written, dtype=torch.bool,
+                                                              device=kwargs.get("device"))
+    if attention_mask.shape[-1] < n_written:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the model sees {n_written} "
+                         f"({int(q_offset)} cached and {q_length} new); pass an attention_mask over all of them "
+                         f"(1 = token, 0 = padding), as generate() does")
+    attention_mask = attention_mask[:, :n_written]                                  # (B, n_written)
+    return None if n_written == kv_length and bool(attention_mask.all()) else attention_mask
+
+
+def _key_padding_mask(attention_mask: torch.Tensor | None, key: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """sparse_attn's key_padding_mask (B, n_written), True = padding, from the mask a model hands the attention.
+
+    n_written = Nk, except for a static cache, whose mask (from ``padding_mask``) covers the written keys only.
     """
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:]                                # (B, Nk)
-    return None if bool(attention_mask.all()) else attention_mask
-
-
-def _key_padding_mask(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor | None:
-    """sparse_attn's key_padding_mask (B, Nk), True = padding, from the mask a model hands the attention."""
-    if attention_mask is None:
-        return None
     batch, n_k = key.shape[0], key.shape[2]
-    if attention_mask.dim() == 4:
-        # A prepared 4D mask (older transformers, or a model that builds its own): its last query row
-        # sees every key but the padding, whether the mask is bidirectional or causal.
-        attention_mask = attention_mask[:, 0, -1, :]                               # (B, Nk)
     if attention_mask.dtype != torch.bool:  # additive float mask: 0 = keep, large negative = masked
         attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, n_k):
+    if attention_mask.dim() == 4 and attention_mask.shape[-1] == n_k:
+        attention_mask = _padding_of_4d_mask(attention_mask, causal)                  # (B, Nk)
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or not 1 <= attention_mask.shape[1] <= n_k:
         raise ValueError(f"sparse_attn needs a padding mask of shape (batch, kv_length) = ({batch}, {n_k}) "
                          f"(or a 4D mask ending in kv_length), got shape {tuple(attention_mask.shape)}; pass the "
                          f"model a 2D attention_mask (1 = token, 0 = padding)")
     return ~attention_mask
+
+
+def _padding_of_4d_mask(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, 1 or H, Nq, Nk) bool -> (B, Nk): a 4D mask the user passed, accepted if it holds padding only."""
+    keep = mask[:, 0, -1, :]                                                        # (B, Nk)
+    n_q, n_k = mask.shape[-2:]
+    expected = keep[:, None, None, :].expand(mask.shape)                            # (B, 1 or H, Nq, Nk)
+    if causal:
+        expected = expected & torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(n_k - n_q)
+    if not torch.equal(mask, expected):
+        structure = "padding and causality" if causal else "padding"
+        raise ValueError(f"a 4D attention_mask of shape {tuple(mask.shape)} that is more than {structure} "
+                         f"cannot be honoured: the sparse_attn pattern decides which query/key pairs interact, and "
+                         f"only padding passes through; pass the 2D attention_mask (1 = token, 0 = padding) and put "
+                         f"the structure in the pattern")
+    return keep
 
 
 def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern | None = None, *,
@@ -151,6 +216,7 @@ def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern |
                          f"positions; to_long_model only extends")
     if pattern is not None and not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a sparse_attn Pattern or None, got {type(pattern).__name__}: {pattern!r}")
+    check_model(model, name)
     embeddings.position_embeddings = _tiled(table, offset + max_positions, offset)
     size = embeddings.position_embeddings.num_embeddings
     for buffer in ("position_ids", "token_type_ids"):
@@ -173,3 +239,59 @@ def _tiled(table: nn.Embedding, size: int, offset: int) -> nn.Embedding:
     repeats = -(-(size - offset) // learned.shape[0])
     weight = torch.cat([table.weight.data[:offset], learned.repeat(repeats, 1)[:size - offset]])  # (size, E)
     return nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=table.padding_idx)
+
+
+def _check_models_when_built() -> None:
+    """Wrap ``PreTrainedModel._check_and_adjust_attn_implementation`` (run when a model is built or switched
+    to a new attn_implementation) so that a registered name raises for models sparse_attn cannot run,
+    instead of being ignored by them or crashing inside them."""
+    adjust = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(adjust, "checks_sparse_attn", False):
+        return
+
+    @functools.wraps(adjust)
+    def check_and_adjust(model, attn_implementation, *args, **kwargs):
+        chosen = adjust(model, attn_implementation, *args, **kwargs)
+        if chosen in _REGISTERED:
+            check_model(model, chosen)
+        return chosen
+
+    check_and_adjust.checks_sparse_attn = True
+    PreTrainedModel._check_and_adjust_attn_implementation = check_and_adjust
+
+
+def check_model(model: PreTrainedModel, name: str = "sparse_attn") -> None:
+    """Raise a ValueError if ``attn_implementation=name`` would not run sparse_attn correctly in ``model``.
+
+    >>> check_model(AutoModel.from_config(LongformerConfig()))                       # doctest: +SKIP
+    ValueError: LongformerModel computes attention in its own layers (LongformerSelfAttention) ...
+    """
+    model_class, config = type(model), model.config
+    own_attention = _own_attention_class(model_class)
+    if own_attention is not None or getattr(config, "attention_type", None) == "block_sparse":
+        layer = own_attention or "its block_sparse attention"
+        raise ValueError(f"{model_class.__name__} computes attention in its own layers ({layer}) instead of calling "
+                         f"transformers' AttentionInterface, so attn_implementation={name!r} would never run "
+                         f"sparse_attn. Build it with attn_implementation='eager' and swap each layer's "
+                         f"self-attention for sparse_attn.nn.SparseSelfAttention with the weights copied: for "
+                         f"Longformer, SparseSelfAttention(hidden_size, num_heads, sa.Local(attention_window // 2), "
+                         f"global_projections=True) computes exactly what LongformerSelfAttention computes "
+                         f"(docs/integrations.md, 'Longformer equivalence')")
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise ValueError(f"{model_class.__name__} has cross-attention (config.is_encoder_decoder or "
+                         f"config.add_cross_attention), which transformers would run with attn_implementation="
+                         f"{name!r} too; there query i and key j are positions in two different sequences, which a "
+                         f"sparse_attn pattern does not describe. Use sparse_attn in an encoder-only or decoder-only "
+                         f"model, or attn_implementation='sdpa' here")
+
+
+@functools.lru_cache(maxsize=None)
+def _own_attention_class(model_class: type) -> str | None:
+    """The name of an attention layer in ``model_class``'s modeling code if that code never calls the
+    AttentionInterface (transformers' own heuristic for ``set_attn_implementation``), else None."""
+    try:
+        source = inspect.getsource(sys.modules[model_class.__module__])
+    except (KeyError, OSError, TypeError):  # no source (a notebook class): nothing to tell
+        return None
+    layer = re.search(r"^class (\w*Attention\w*)\(nn\.Module\):", source, re.MULTILINE)
+    return layer.group(1) if layer and "ALL_ATTENTION_FUNCTIONS" not in source else None
