@@ -50,7 +50,8 @@ class SparseSelfAttention(nn.Module):
     ``forward(x, key_padding_mask=None, global_mask=None, causal=False)``: ``key_padding_mask``
     (B, N) bool, True = padding: never attended, and the attention output at padded positions is 0
     (so the layer returns ``out_proj.bias`` there, as Longformer does); ``global_mask`` (B, N) bool,
-    True = global token in that example; ``causal=True`` keeps keys ``j <= i``.
+    True = global token in that example; ``causal=True`` keeps keys ``j <= i``. An empty batch or
+    sequence gives an empty output, as in ``nn.MultiheadAttention``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: Pattern, *, num_kv_heads: int | None = None,
@@ -95,6 +96,8 @@ class SparseSelfAttention(nn.Module):
                              "global_projections=False to let global_mask follow the causal rule")
         if not self.batch_first:
             x = x.transpose(0, 1)                                                  # (B, N, E)
+        if x.shape[0] == 0 or x.shape[1] == 0:  # an empty batch or sequence: an empty output, as nn.MultiheadAttention
+            return self.out_proj(x) if self.batch_first else self.out_proj(x).transpose(0, 1)
         q = self._split_heads(self.q_proj(x), self.num_heads)                      # (B, H, N, D)
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
@@ -134,6 +137,12 @@ class SparseSelfAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             layout = "(batch, seq_len, embed_dim)" if self.batch_first else "(seq_len, batch, embed_dim)"
             raise ValueError(f"x must have shape {layout} with embed_dim={self.embed_dim}, got {tuple(x.shape)}")
+        weight = self.q_proj.weight
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor ({weight.dtype}, the layer's dtype), got {x.dtype}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but the layer's weights are {weight.dtype}; cast one to the "
+                            f"other (x.to({weight.dtype}) or layer.to({x.dtype})), or run under torch.autocast")
 
 
 @host_only  # a data-dependent size: a quiet graph break

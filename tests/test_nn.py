@@ -156,6 +156,17 @@ def test_rows_without_keys_and_single_token():
     torch.testing.assert_close(layer(x, key_padding_mask=all_padding), layer.out_proj.bias.expand(2, 1, E))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_empty_batch_or_sequence_gives_an_empty_output(batch_first):
+    """As nn.MultiheadAttention; it used to fail inside sparse_attention with an error about q and k."""
+    layer = SparseSelfAttention(E, H, sa.Local(2), global_projections=True, batch_first=batch_first, backend=BACKEND)
+    for batch, n in ((0, 16), (2, 0)):
+        x = torch.randn(batch, n, E) if batch_first else torch.randn(n, batch, E)
+        out = layer(x, key_padding_mask=torch.zeros(batch, n, dtype=torch.bool),
+                    global_mask=torch.zeros(batch, n, dtype=torch.bool))
+        assert out.shape == x.shape
+
+
 def test_torch_compile_matches_eager():
     torch.manual_seed(0)
     layer = SparseSelfAttention(E, H, sa.Local(4) | sa.Global(first=1), global_projections=True, backend=BACKEND)
@@ -226,6 +237,18 @@ def test_forward_errors():
         layer(x, key_padding_mask=padding.float())
     with pytest.raises(ValueError, match="global_projections=True .* causal=True forbids"):
         layer(x, global_mask=padding, causal=True)
+    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the layer's weights are torch.float32; cast"):
+        layer(x.double())
+    with pytest.raises(TypeError, match=r"x must be a floating-point tensor \(torch.float32, the layer's dtype\), "
+                                        r"got torch.int64"):
+        layer(x.long())
+
+
+def test_lower_precision_input_under_autocast_on_cpu():
+    layer = SparseSelfAttention(E, H, sa.Local(4), backend="reference")
+    x, padding = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x.bfloat16(), key_padding_mask=padding).dtype == torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------
