@@ -25,6 +25,11 @@ output and working memory), beyond q, k, v. On CUDA it is ``max_memory_allocated
 allocated memory before ``setup``. ``process_peak_mb`` is the whole child's ``ru_maxrss``
 (interpreter, imports and compilation included). A point that raises out-of-memory, is killed, or
 runs past ``timeout`` is recorded with that status; larger N of the same line are then skipped.
+An implementation that cannot run here (``availability``) is recorded as unavailable with its
+reason, checked once before any point runs.
+
+torch is imported inside the functions that use it, so ``sparse-attn --help`` can read the
+constants below without paying for it.
 """
 from __future__ import annotations
 
@@ -36,15 +41,14 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
-
-import torch
 
 from .pattern import Global, Local, Pattern, Union, _Ctx
 
-PATTERNS = {  # label -> expression; the CLI parses these like any PATTERN argument
+PATTERNS = {  # label -> PATTERN (expression or preset); the CLI parses these like any PATTERN argument
     "longformer": "Local(256) | Global(first=16)",
-    "bigbird-itc": "preset('bigbird-itc')",
+    "bigbird-itc": "bigbird-itc",
 }
 IMPLEMENTATIONS = {
     "sparse_attn-numba": "this library, backend='numba' (CPU kernels), layout built once",
@@ -64,8 +68,8 @@ QUICK = {"patterns": ["longformer"], "lengths": [1024, 2048, 4096, 8192],
 # ------------------------------------------------------------------------------------------------
 # Implementations (run in the child)
 # ------------------------------------------------------------------------------------------------
-def availability(name: str, pattern: Pattern, device: str) -> tuple[bool, str]:
-    """(runs, reason) for implementation ``name`` on ``pattern`` and ``device``."""
+def availability(name: str, pattern: Pattern, device: str, backward: bool = False) -> tuple[bool, str]:
+    """(runs, reason) for implementation ``name`` on ``pattern`` and ``device``, forward or also backward."""
     from . import backends
 
     if name.startswith("sparse_attn-"):
@@ -77,11 +81,7 @@ def availability(name: str, pattern: Pattern, device: str) -> tuple[bool, str]:
             return False, "numba runs CPU tensors only"
         return ok, reason
     if name == "flex":
-        try:
-            import torch.nn.attention.flex_attention  # noqa: F401
-        except ImportError:
-            return False, f"torch {torch.__version__} has no FlexAttention (needs torch >= 2.5)"
-        return True, ""
+        return _flex_availability(device, backward)
     if name == "hf-longformer":
         import importlib.util
 
@@ -91,6 +91,36 @@ def availability(name: str, pattern: Pattern, device: str) -> tuple[bool, str]:
             return False, f"HF Longformer has only a symmetric window plus global tokens; {pattern!r} is not"
         return True, ""
     return True, ""
+
+
+def _flex_availability(device: str, backward: bool) -> tuple[bool, str]:
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return False, f"torch {torch.__version__} has no FlexAttention (needs torch >= 2.5)"
+    if backward and device == "cpu":  # torch 2.13 refuses at the call, eager or compiled: ask it with a tiny one
+        q = torch.zeros(1, 1, 16, 16, requires_grad=True)                      # (B, H, N, D)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")                                 # "eager flex_attention is slow"
+                flex_attention(q, q, q)
+        except NotImplementedError as error:
+            return False, f"torch {torch.__version__}: {str(error).splitlines()[0]}"
+    return True, ""
+
+
+def unavailable_reasons(patterns: dict[str, Pattern], implementations: list[str], device: str,
+                        backward: bool = False) -> dict[tuple[str, str], str]:
+    """(pattern label, implementation) -> why it cannot run here, for each pair that cannot."""
+    reasons = {}
+    for label, pattern in patterns.items():
+        for name in implementations:
+            ok, reason = availability(name, pattern, device, backward)
+            if not ok:
+                reasons[(label, name)] = reason
+    return reasons
 
 
 def _longformer_window(pattern: Pattern):
@@ -107,6 +137,8 @@ def _longformer_window(pattern: Pattern):
 
 def _setup(name: str, pattern: Pattern, q, k, v, block_size: int):
     """A function that runs one attention call and returns a tensor (the output)."""
+    import torch
+
     from .api import sparse_attention
 
     batch, heads, n, head_dim = q.shape
@@ -132,6 +164,7 @@ def _setup(name: str, pattern: Pattern, q, k, v, block_size: int):
 
 
 def _setup_longformer(pattern: Pattern, q):
+    import torch
     from transformers import LongformerConfig
     from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
@@ -170,6 +203,8 @@ def _reset_high_water() -> None:
 
 def measure(point: dict) -> dict:
     """Time and memory of one (pattern, implementation, N) point, in this process."""
+    import torch
+
     name, n, device = point["implementation"], point["n"], point["device"]
     backward = point["backward"]
     pattern = Pattern.from_dict(point["pattern"])
@@ -215,6 +250,8 @@ def measure(point: dict) -> dict:
 
 
 def _child() -> None:
+    import torch
+
     point = json.loads(sys.argv[1])
     if point["device"] == "cpu" and point.get("threads"):
         torch.set_num_threads(point["threads"])
@@ -276,6 +313,8 @@ def cpus() -> int:
 
 def machine() -> dict:
     """Where and with what the sweep ran."""
+    import torch
+
     info = {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
             "cpus": cpus(), "python": platform.python_version(),
             "versions": versions(("torch", "numba", "triton", "transformers", "sparse-attn")),
@@ -288,10 +327,14 @@ def machine() -> dict:
 def sweep(patterns: dict[str, Pattern], lengths: list[int], implementations: list[str], *, batch: int = 1,
           heads: int = 8, head_dim: int = 64, block_size: int = 64, backward: bool = False, repeats: int = 3,
           timeout: float = 120, memory_limit_gb: float | None = None, device: str = "cpu",
-          command: str = "", progress: bool = True, out: Path | None = None) -> dict:
-    """Run every (pattern, implementation, N) point; returns (and, with ``out``, keeps saving) the results."""
-    from tqdm import tqdm
+          command: str = "", progress: bool = True, out: Path | None = None,
+          unavailable: dict[tuple[str, str], str] | None = None) -> dict:
+    """Run every (pattern, implementation, N) point; returns (and, with ``out``, keeps saving) the results.
 
+    ``unavailable`` is what ``unavailable_reasons`` returned, when the caller already asked.
+    """
+    if unavailable is None:
+        unavailable = unavailable_reasons(patterns, implementations, device, backward)
     results = {"command": command, "machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "load_average_start": os.getloadavg(),
                "config": {"batch": batch, "heads": heads, "head_dim": head_dim, "block_size": block_size,
@@ -301,18 +344,14 @@ def sweep(patterns: dict[str, Pattern], lengths: list[int], implementations: lis
                "implementations": {name: IMPLEMENTATIONS[name] for name in implementations}, "points": []}
     planned = [(label, name, n) for label in patterns for name in implementations for n in sorted(lengths)]
     stopped: dict[tuple[str, str], str] = {}
-    bar = tqdm(planned, desc="bench", unit="point", disable=not progress, file=sys.stderr)
-    for label, name, n in bar:
-        bar.set_postfix_str(f"{label} {name} N={n}")
-        pattern = patterns[label]
+    for label, name, n in _progress(planned, progress):
         point = {"pattern_label": label, "implementation": name, "n": n}
-        ok, reason = availability(name, pattern, device)
-        if not ok:
-            result = {"status": "unavailable", "error": reason}
+        if (label, name) in unavailable:
+            result = {"status": "unavailable", "error": unavailable[(label, name)]}
         elif (label, name) in stopped:
             result = {"status": "skipped", "error": stopped[(label, name)]}
         else:
-            result = run_point({**point, "pattern": pattern.to_dict(), "batch": batch, "heads": heads,
+            result = run_point({**point, "pattern": patterns[label].to_dict(), "batch": batch, "heads": heads,
                                 "head_dim": head_dim, "block_size": block_size, "backward": backward,
                                 "repeats": repeats, "timeout": timeout, "device": device,
                                 "memory_limit_gb": memory_limit_gb})
@@ -326,6 +365,19 @@ def sweep(patterns: dict[str, Pattern], lengths: list[int], implementations: lis
     if out is not None:
         _write_json(results, out)
     return results
+
+
+def _progress(planned: list[tuple[str, str, int]], show: bool):
+    """The planned points, with a tqdm bar on stderr when ``show`` (tqdm is only needed then)."""
+    if not show:
+        yield from planned
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(planned, desc="bench", unit="point", file=sys.stderr)
+    for label, name, n in bar:
+        bar.set_postfix_str(f"{label} {name} N={n}")
+        yield label, name, n
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,8 +407,16 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+LEGEND = ("Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its memory "
+          "includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, `error` = failed, "
+          "`-` = skipped after `oom` or `timeout` at a smaller N, `n/a` = cannot run here; `[k]` = the reason, "
+          "under the table.")
+
+
 def tables(results: dict) -> str:
-    """One markdown table per pattern: implementations x sequence lengths."""
+    """One markdown table per pattern (implementations x sequence lengths), the reasons for its
+    n/a, oom, timeout and error cells under it, then the legend of the cells.
+    """
     lines = []
     for label, expression in results["patterns"].items():
         points = [p for p in results["points"] if p["pattern_label"] == label]
@@ -364,21 +424,25 @@ def tables(results: dict) -> str:
         lines += [f"## {label}: `{expression.replace('|', chr(92) + '|')}`", "",
                   "| implementation | " + " | ".join(f"{n:,}" for n in lengths) + " |",
                   "|---|" + "---:|" * len(lengths)]
+        notes: dict[str, int] = {}  # reason -> its number under this table
         for name in results["implementations"]:
-            cells = {p["n"]: _cell(p) for p in points if p["implementation"] == name}
+            cells = {p["n"]: _cell(p, notes) for p in points if p["implementation"] == name}
             lines.append(f"| {name} | " + " | ".join(cells.get(n, "") for n in lengths) + " |")
-        lines += ["", "Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its "
-                      "memory includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, "
-                      "`-` = skipped after either at a smaller N, `n/a` = not available.", ""]
-    return "\n".join(lines)
+        lines += [""] + [f"- [{number}] {reason}" for reason, number in notes.items()] + ([""] if notes else [])
+    return "\n".join(lines + [LEGEND, ""])
 
 
-def _cell(point: dict) -> str:
+def _cell(point: dict, notes: dict[str, int]) -> str:
+    """The table cell of one point; a failure's reason goes into ``notes`` and the cell points at it."""
     status = point["status"]
     if status == "ok":
         single = point.get("measured", "").startswith("warm-up")
         return f"{point['time_s']:.3g} / {point['memory_mb']:,.0f}" + ("*" if single else "")
-    return {"skipped": "-", "unavailable": "n/a"}.get(status, status)
+    if status == "skipped":
+        return "-"
+    shown = "n/a" if status == "unavailable" else status
+    reason = f"`{point['implementation']}` {shown}: {point.get('error') or 'no reason recorded'}"
+    return f"{shown} [{notes.setdefault(reason, len(notes) + 1)}]"
 
 
 def write(results: dict, out: Path) -> list[Path]:

@@ -11,6 +11,7 @@ A preset file is TOML: ``name``, ``description``, optional ``heads`` (for per-he
 """
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from importlib import resources
@@ -111,25 +112,77 @@ def list_presets() -> dict[str, str]:
     >>> "bigbird-itc" in list_presets()
     True
     """
-    return {path.stem: _read(path)["description"] for path in sorted(_preset_dir().glob("*.toml"))}
+    directory = _preset_dir()
+    return {name: _read(directory / f"{name}.toml")["description"] for name in _preset_names()}
+
+
+def _preset_names() -> list[str]:
+    return sorted(path.stem for path in _preset_dir().glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """The file of preset ``name``: a name from ``list_presets()``, never a path.
+
+    >>> preset_path("bigbird-itc").name
+    'bigbird-itc.toml'
+    >>> preset_path("bigbird-itx")
+    Traceback (most recent call last):
+    ...
+    ValueError: no preset named 'bigbird-itx'; did you mean bigbird-itc? presets: bigbird-etc, ...
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"preset name must be a str such as 'bigbird-itc', got {type(name).__name__}: {name!r}")
+    names = _preset_names()
+    if name not in names:  # names only: "../x", "/abs/x" or "dir/x" never reach the file system
+        is_path = "/" in name or "\\" in name or name.endswith(".toml")
+        raise ValueError(f"no preset named {name!r}; {did_you_mean(name, names)}presets: {', '.join(names)}"
+                         + ("; load a pattern file with sa.load_pattern(path)" if is_path else ""))
+    return _preset_dir() / f"{name}.toml"
+
+
+def did_you_mean(name: str, choices) -> str:
+    """``"did you mean X? "`` for the choice closest to a mistyped ``name`` (a prefix first), else ``""``.
+
+    >>> did_you_mean("longformer", ["bigbird-itc", "dilated-longformer", "longformer-base-4096"])
+    'did you mean longformer-base-4096? '
+    """
+    choices = list(choices)
+    close = [c for c in choices if c.startswith(name.lower())] or difflib.get_close_matches(name.lower(), choices, n=1)
+    return f"did you mean {close[0]}? " if close else ""
 
 
 def preset(name: str) -> Pattern:
-    """The preset pattern ``name`` (see ``list_presets()``)."""
-    path = _preset_dir() / f"{name}.toml"
-    if not isinstance(name, str) or not path.is_file():
-        raise ValueError(f"unknown preset {name!r}; available: {', '.join(list_presets())}")
-    return load_pattern(path)
+    """The preset pattern ``name`` (one of ``list_presets()``; files load with ``load_pattern``).
+
+    >>> preset("bigbird-itc")
+    Local(1, block_size=64) | Global(first=64, last=64) | Random(3)
+    """
+    return load_pattern(preset_path(name))
+
+
+def declared_heads(path) -> int | None:
+    """The ``heads`` a pattern file declares (per-head presets need that many), None when it declares none.
+
+    >>> declared_heads(preset_path("dilated-longformer"))
+    12
+    """
+    heads = _read(Path(path)).get("heads")
+    if heads is not None:
+        _check_int(f"{path}: heads", heads, 1)
+    return heads
 
 
 def load_pattern(path) -> Pattern:
     """Read a pattern from a TOML file written by ``save_pattern`` (or by hand)."""
     data = _read(Path(path))
-    if "pattern" not in data:
-        raise ValueError(f"{path}: a pattern file needs a [pattern] table")
-    pattern = Pattern.from_dict(data["pattern"])
-    if "heads" in data:
-        pattern._check_heads(data["heads"])
+    if not isinstance(data.get("pattern"), dict):
+        raise ValueError(f"{path}: a pattern file needs a [pattern] table, e.g. [pattern] type = \"local\" before = 64")
+    try:
+        pattern = Pattern.from_dict(data["pattern"])
+        if "heads" in data:
+            pattern._check_heads(data["heads"])
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{path}: {error}") from None
     return pattern
 
 
@@ -149,8 +202,12 @@ def _read(path: Path) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ValueError(f"no pattern file at {path}") from None
+    except OSError as error:  # a directory, no permission, ...
+        raise ValueError(f"cannot read pattern file {path}: {error.strerror or error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path} is not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not valid TOML: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def to_toml(table: dict, path: str = "") -> str:

@@ -10,6 +10,8 @@ Install with ``pip install "sparse-attn[viz]"``. Every function returns a matplo
 """
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from .layout import BlockLayout
@@ -60,8 +62,6 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
                    extent=(0, layout.n_k, layout.n_q, 0))
         top.set_title(f"head {h}: blocks of {layout.block_size}" + (f" (binned {factor}x)" if factor > 1 else ""),
                       fontsize=9)
-        top.set_xlabel("key position", fontsize=8)
-        top.set_ylabel("query position", fontsize=8)
         top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
         mask = zoom_mask[layout._check_example_head(batch, h)]
         bottom = axes[1, column]
@@ -70,18 +70,30 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
         for edge in range(layout.block_size, zoom, layout.block_size):
             bottom.axhline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
             bottom.axvline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
-        bottom.set_title(f"head {h}: tokens 0..{zoom - 1} (red box above)", fontsize=9)
-        bottom.set_xlabel("key position", fontsize=8)
-        bottom.set_ylabel("query position", fontsize=8)
+        bottom.set_title(f"tokens 0..{zoom - 1} (red box above)", fontsize=9)
         for ax in (top, bottom):
             ax.tick_params(labelsize=7)
+            ax.set_xlabel("key position", fontsize=8)
+        if column == 0:  # one label per row, not one per panel
+            top.set_ylabel("query position", fontsize=8)
+            bottom.set_ylabel("query position", fontsize=8)
     figure.legend(handles=[Patch(facecolor=_COLORS["full"], label="full block (no mask)"),
                            Patch(facecolor=_COLORS["partial"], label="partial block (token mask)"),
                            Patch(facecolor="#333333", label="allowed pair")],
                   loc="lower center", ncol=3, fontsize=8, frameon=False)
-    figure.suptitle(title or f"{layout.pattern!r}, N={layout.n_q:,}, density {layout.density:.2%}", fontsize=10)
-    figure.tight_layout(rect=(0, 0.04, 1, 0.97))
+    _suptitle(figure, title or f"{layout.pattern!r}, N={layout.n_q:,}, density {layout.density:.2%}", bottom=0.04)
     return figure
+
+
+def _wrap(text: str, inches: float, fontsize: float) -> str:
+    """``text`` wrapped to fit ``inches`` at ``fontsize`` points (about 0.6 em per character)."""
+    return textwrap.fill(text, width=max(20, int(inches * 72 / (0.6 * fontsize))), break_on_hyphens=False)
+
+
+def _suptitle(figure, text: str, bottom: float = 0.0, fontsize: float = 10) -> None:
+    """A figure title wrapped to the figure's width (tight_layout leaves room for its lines)."""
+    figure.suptitle(_wrap(text, figure.get_figwidth() - 0.4, fontsize), fontsize=fontsize)
+    figure.tight_layout(rect=(0, bottom, 1, 1))
 
 
 def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
@@ -101,7 +113,8 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
         raise ValueError(f"tokens must have one label per key ({n_k}), got {len(tokens)}")
     figure = ax.figure if ax is not None else plt.figure(figsize=(6, 5.2))
     ax = ax if ax is not None else figure.add_subplot()
-    if max(n_q, n_k) <= _LABELLED_TOKENS:
+    labelled = max(n_q, n_k) <= _LABELLED_TOKENS
+    if labelled:
         image = np.full((n_q, n_k), np.nan)
         image[coo.row, coo.col] = coo.data
         shown = ax.imshow(image, cmap="viridis", vmin=0, interpolation="nearest")
@@ -115,10 +128,10 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
         ax.set_xlim(-0.5, n_k - 0.5)
         ax.set_ylim(n_q - 0.5, -0.5)
         ax.set_aspect("equal")
-    ax.set_xlabel("key")
-    ax.set_ylabel("query")
+    ax.set_xlabel("key" + (" token" if labelled and tokens is not None else " position"))
+    ax.set_ylabel("query" + (" token" if labelled and tokens is not None else " position"))
     ax.set_title(title or f"attention probabilities ({coo.nnz:,} allowed pairs; blank = not allowed)", fontsize=9)
-    figure.colorbar(shown, ax=ax, fraction=0.046, pad=0.04)
+    figure.colorbar(shown, ax=ax, fraction=0.046, pad=0.04).set_label("attention probability")
     return figure
 
 
@@ -126,39 +139,55 @@ def plot_bench(results: dict, metric: str = "time"):
     """Time or memory versus N, log-log, one line per implementation, one panel per pattern.
 
     ``results`` is what ``sparse_attn.bench.sweep`` returns (or its ``results.json``). Points that
-    ran out of memory or time are marked with an ``x`` at the last length that fitted.
+    ran out of memory or time are marked with an ``x`` at the last length that fitted; an
+    implementation with no point in a panel is named in it with its status (``n/a``, ``error``).
+    One legend for the figure, one colour per implementation in every panel.
     """
     if metric not in ("time", "memory"):
         raise ValueError(f"metric must be 'time' or 'memory', got {metric!r}")
     plt = _pyplot()
+    from matplotlib.lines import Line2D
+
     key, label = {"time": ("time_s", "time per call (s)"), "memory": ("memory_mb", "peak memory beyond q, k, v (MB)")}[metric]
-    labels = list(results["patterns"])
-    figure, axes = plt.subplots(1, len(labels), figsize=(5.6 * len(labels), 4.4), squeeze=False)
+    labels, names = list(results["patterns"]), list(results["implementations"])
+    figure, axes = plt.subplots(1, len(labels), figsize=(5.6 * len(labels), 4.6), squeeze=False, sharey=True)
     markers = "osD^v<>p"
+    drawn: set[str] = set()
     for ax, pattern in zip(axes[0], labels):
-        for index, name in enumerate(results["implementations"]):
+        missing = []
+        for index, name in enumerate(names):
             points = sorted((p for p in results["points"] if p["pattern_label"] == pattern
                              and p["implementation"] == name), key=lambda p: p["n"])
             done = [p for p in points if p["status"] == "ok"]
             if not done:
+                statuses = dict.fromkeys("n/a" if p["status"] == "unavailable" else p["status"] for p in points)
+                missing.append(f"{name} ({', '.join(statuses) or 'not run'})")
                 continue
-            line, = ax.plot([p["n"] for p in done], [max(p[key], 1e-3) for p in done], marker=markers[index % 8],
-                            markersize=4, label=name)
+            drawn.add(name)
+            colour = f"C{index % 10}"
+            ax.plot([p["n"] for p in done], [max(p[key], 1e-3) for p in done], marker=markers[index % 8],
+                    markersize=4, color=colour)
             failed = next((p for p in points if p["status"] in ("oom", "timeout")), None)
             if failed is not None:
-                ax.plot([failed["n"]], [max(done[-1][key], 1e-3)], marker="x", markersize=9, color=line.get_color())
+                ax.plot([failed["n"]], [max(done[-1][key], 1e-3)], marker="x", markersize=9, color=colour)
                 ax.annotate(failed["status"], (failed["n"], max(done[-1][key], 1e-3)), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7, color=line.get_color())
+                            xytext=(4, 4), fontsize=7, color=colour)
+        if missing:
+            ax.text(0.98, 0.02, _wrap("no points: " + "; ".join(missing), 5.0, 7), transform=ax.transAxes,
+                    ha="right", va="bottom", fontsize=7, color="#555555")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
-        ax.set_ylabel(label)
-        ax.set_title(f"{pattern}: {results['patterns'][pattern]}", fontsize=9)
+        ax.set_title(_wrap(f"{pattern}: {results['patterns'][pattern]}", 5.2, 9), fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    axes[0, 0].set_ylabel(label)  # shared y axis: one label
+    handles = [Line2D([], [], color=f"C{i % 10}", marker=markers[i % 8], markersize=4, label=name)
+               for i, name in enumerate(names) if name in drawn]
+    columns = max(1, min(len(handles), int(figure.get_figwidth() / 1.8)))
+    figure.legend(handles=handles, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     config = results["config"]
-    figure.suptitle(f"{metric} vs N: B={config['batch']} H={config['heads']} D={config['head_dim']} "
-                    f"{config['dtype']} {config['device']}, {'fwd+bwd' if config['backward'] else 'forward'}",
-                    fontsize=10)
-    figure.tight_layout()
+    rows = -(-len(handles) // columns)
+    _suptitle(figure, f"{metric} vs N: B={config['batch']} H={config['heads']} D={config['head_dim']} "
+                      f"{config['dtype']} {config['device']}, {'fwd+bwd' if config['backward'] else 'forward'}",
+              bottom=(0.05 + 0.2 * rows) / figure.get_figheight())
     return figure

@@ -1,13 +1,22 @@
-"""The sparse-attn command: every subcommand in a subprocess with tiny settings, and its errors."""
+"""The sparse-attn command: every subcommand with tiny settings, and its errors.
+
+Most tests call ``cli.main`` in this process (fast); a few run ``python -m sparse_attn`` in a
+subprocess, where what is imported and the whole command line matter.
+"""
+import argparse
+import functools
 import json
+import math
+import operator
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-from sparse_attn.cli import UsageError, parse_pattern
-
 import sparse_attn as sa
+from sparse_attn import bench, cli
+from sparse_attn.cli import UsageError, parse_pattern
 
 
 def run(*args, timeout=240):
@@ -15,6 +24,25 @@ def run(*args, timeout=240):
                           timeout=timeout)
 
 
+def call(capsys, *args):
+    """(exit status, stdout, stderr) of ``sparse-attn ARGS`` run in this process."""
+    try:
+        code = cli.main(list(args))
+    except SystemExit as exit:
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fake_point(point):
+    """Stands in for ``bench.run_point``: an instant 'ok' point, so bench tests run no child process."""
+    return {"status": "ok", "time_s": 0.01, "times_s": [0.01], "first_call_s": 0.01, "measured": "calls after the "
+            "warm-up", "memory_mb": point["n"] / 1024, "process_peak_mb": 100.0, "wall_s": 0.1}
+
+
+# ------------------------------------------------------------------------------------------------
+# Subcommands
+# ------------------------------------------------------------------------------------------------
 def test_info_lists_versions_devices_and_backends():
     proc = run("info")
     assert proc.returncode == 0, proc.stderr
@@ -23,10 +51,10 @@ def test_info_lists_versions_devices_and_backends():
         assert word in proc.stdout
 
 
-def test_patterns_lists_every_preset_with_densities():
-    proc = run("patterns")
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+def test_patterns_lists_every_preset_with_densities(capsys):
+    code, out, _ = call(capsys, "patterns")
+    assert code == 0
+    lines = out.splitlines()
     for name in sa.list_presets():
         line = next(line for line in lines if line.startswith(name + " "))
         heads = parse_pattern(name)[1] or 1
@@ -34,11 +62,12 @@ def test_patterns_lists_every_preset_with_densities():
         assert line.split()[1:3] == expected, line
 
 
-def test_show_prints_the_layout_and_writes_a_figure(tmp_path):
-    out = tmp_path / "fig.png"
-    proc = run("show", "Local(64) | Global(first=2)", "--seq-len", "512", "--heads", "0,1", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "token density" in proc.stdout and "nnz blocks" in proc.stdout and "of dense" in proc.stdout
+def test_show_prints_the_layout_and_writes_a_figure(capsys, tmp_path):
+    out = tmp_path / "figures" / "fig.png"                            # its directory is created
+    code, stdout, err = call(capsys, "show", "Local(64) | Global(first=2)", "--seq-len", "512", "--heads", "0,1",
+                             "--out", str(out))
+    assert code == 0, err
+    assert "token density" in stdout and "of dense" in stdout
     grid = ["#+++++++",                                               # the ASCII grid of head 0 (heads shared):
             "+#+.....",                                               # '#' full, '+' partial, '.' skipped
             "++#+....",
@@ -47,23 +76,56 @@ def test_show_prints_the_layout_and_writes_a_figure(tmp_path):
             "+...+#+.",
             "+....+#+",
             "+.....+#"]
-    lines = [line.strip() for line in proc.stdout.splitlines()]
+    lines = [line.strip() for line in stdout.splitlines()]
     start = lines.index(grid[0])
     assert lines[start:start + len(grid)] == grid
-    assert "68 computed (53.1%), 16 full, 52 partial" in proc.stdout
-    assert "= 53.12% of dense" in proc.stdout                           # 68 of 2 heads x 64 blocks
+    assert "68 computed (53.1%), 16 full, 52 partial" in stdout
+    assert "= 53.12% of dense" in stdout                              # 68 of 2 heads x 64 blocks
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_show_takes_toml_files(tmp_path):
+def test_show_says_each_number_once(capsys):
+    """The block count is in the layout's summary; show does not print it a second time."""
+    code, stdout, _ = call(capsys, "show", "Local(64)", "--seq-len", "512")
+    assert code == 0
+    assert stdout.count("computed") == 1 and "nnz blocks" not in stdout
+
+
+def test_show_takes_toml_files(capsys, tmp_path):
     path = tmp_path / "mine.toml"
     sa.save_pattern(sa.PerHead([sa.Local(8), sa.Causal()]), path, description="two heads", heads=2)
-    proc = run("show", str(path), "--seq-len", "64")
-    assert proc.returncode == 0, proc.stderr
-    assert "BlockLayout of PerHead" in proc.stdout and "heads 2 (per head)" in proc.stdout
+    code, stdout, err = call(capsys, "show", str(path), "--seq-len", "64")
+    assert code == 0, err
+    assert "BlockLayout of PerHead" in stdout and "heads 2 (per head)" in stdout
     assert parse_pattern("bigbird-itc")[0] == sa.preset("bigbird-itc")
 
 
+def test_show_per_head_expression_takes_its_heads_from_the_list(capsys):
+    """docs/cli.md's PerHead example runs as written: --num-heads defaults to the PerHead's length."""
+    code, stdout, err = call(capsys, "show", "PerHead([Local(256), Dilated(128, 2)])", "--seq-len", "4096")
+    assert code == 0, err
+    assert "heads 2 (per head)" in stdout
+    code, _, err = call(capsys, "show", "PerHead([Local(256), Dilated(128, 2)])", "--seq-len", "4096",
+                        "--num-heads", "3")
+    assert code == 2 and "PerHead has 2 patterns but heads=3" in err
+    assert cli.per_head_count(sa.Local(1)) is None
+    assert cli.per_head_count(sa.PerHead([sa.Local(1)] * 3) & sa.Causal()) == 3
+
+
+def test_long_expressions_are_parsed_not_looked_up_as_files(capsys):
+    """An expression of 300+ characters once failed with 'File name too long' (a file check first)."""
+    expression = " | ".join(f"Local({i})" for i in range(40))
+    assert len(expression) > 300
+    code, stdout, err = call(capsys, "show", expression, "--seq-len", "128")
+    assert code == 0, err
+    assert "BlockLayout of Local(0) | Local(1)" in stdout
+    chain = " | ".join(["Local(1)"] * 2000)                           # deeper than Python's recursion limit
+    assert parse_pattern(chain)[0] == functools.reduce(operator.or_, [sa.Local(1)] * 2000)
+
+
+# ------------------------------------------------------------------------------------------------
+# bench
+# ------------------------------------------------------------------------------------------------
 def test_bench_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "bench"
     proc = run("bench", "--lengths", "256", "512", "--patterns", "longformer", "--backends", "sparse_attn-reference",
@@ -83,18 +145,79 @@ def test_bench_writes_json_markdown_and_plots(tmp_path):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_records_timeouts_and_keeps_going(tmp_path):
-    from sparse_attn import bench
+def test_bench_refuses_to_overwrite_results_unless_asked(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "run_point", fake_point)
+    args = ["bench", "--lengths", "256", "--patterns", "longformer", "--backends", "sdpa-dense", "--no-progress",
+            "--out", str(tmp_path)]
+    assert call(capsys, *args)[0] == 0
+    first = (tmp_path / "results.json").read_text()
+    code, _, err = call(capsys, *args)
+    assert code == 2 and "already holds results.json; pass --overwrite" in err
+    assert (tmp_path / "results.json").read_text() == first
+    assert call(capsys, *args, "--overwrite")[0] == 0
 
-    results = bench.sweep({"p": sa.Local(1)}, [128, 256], ["sdpa-dense", "hf-longformer", "flex"], timeout=0.5,
-                          progress=False)
+
+def test_bench_checks_its_output_before_running_any_point(capsys, monkeypatch, tmp_path):
+    def no_point(point):
+        raise AssertionError("a point ran before the arguments were checked")
+
+    monkeypatch.setattr(bench, "run_point", no_point)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, message in [(blocker, "is a file; bench writes a directory"),
+                         (blocker / "sub", "cannot create the directory")]:
+        code, _, err = call(capsys, "bench", "--lengths", "256", "--backends", "sdpa-dense", "--out", str(out))
+        assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_bench_reports_unavailable_implementations_up_front(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "run_point", fake_point)
+    code, out, err = call(capsys, "bench", "--lengths", "1k", "2k", "--patterns", "bigbird-itc", "--backends",
+                          "sdpa-dense", "hf-longformer", "--no-progress", "--out", str(tmp_path))
+    assert code == 0, err
+    reason = bench.availability("hf-longformer", sa.preset("bigbird-itc"), "cpu")[1]
+    assert reason and out.splitlines()[0] == f"n/a: hf-longformer on bigbird-itc: {reason}"   # before the run
+    assert "| hf-longformer | n/a [1] | n/a [1] |" in out                                     # and after it
+    assert f"- [1] `hf-longformer` n/a: {reason}" in out
+    markdown = (tmp_path / "results.md").read_text()
+    assert f"- [1] `hf-longformer` n/a: {reason}" in markdown
+    assert markdown.count("Cells: time (s) / memory (MB)") == 1
+
+
+def _flex_has_cpu_backward() -> bool:
+    """The fact the benchmark relies on, checked directly: a tiny eager call with requires_grad."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                                 # "eager flex_attention is slow"
+            flex_attention(q, q, q).sum().backward()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_flex_backward_on_cpu_is_na_up_front():
+    ok, reason = bench.availability("flex", sa.Local(1), "cpu", backward=True)
+    if _flex_has_cpu_backward():
+        assert ok
+        return
+    assert not ok and "does not support backward on CPU" in reason
+    assert bench.availability("flex", sa.Local(1), "cpu") == (True, "")         # forward runs
+    results = bench.sweep({"p": sa.Local(1)}, [128, 256], ["flex"], backward=True, progress=False)
+    assert [p["status"] for p in results["points"]] == ["unavailable", "unavailable"]
+    assert "wall_s" not in results["points"][0]                                # no child process ran
+
+
+def test_bench_records_timeouts_and_keeps_going():
+    results = bench.sweep({"p": sa.Local(1)}, [128, 256], ["sdpa-dense"], timeout=0.5, progress=False)
     statuses = {(p["implementation"], p["n"]): p["status"] for p in results["points"]}
     assert statuses[("sdpa-dense", 128)] == "timeout" and statuses[("sdpa-dense", 256)] == "skipped"
 
 
 def test_bench_availability():
-    from sparse_attn import bench
-
     assert bench._longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
     assert bench._longformer_window(sa.Local(1)) == (1, None)
     assert bench._longformer_window(sa.preset("bigbird-itc")) is None
@@ -105,36 +228,202 @@ def test_bench_availability():
     assert bench.availability("sdpa-dense", sa.Local(1), "cpu") == (True, "")
 
 
+def test_tables_put_each_reason_once_under_its_table():
+    results = {"patterns": {"a": "Local(1)", "b": "Local(2)"}, "implementations": {"x": "", "y": ""},
+               "points": [{"pattern_label": label, "implementation": "x", "n": n, "status": "ok", "time_s": 0.5,
+                           "memory_mb": 3.0} for label in "ab" for n in (1, 2)]
+               + [{"pattern_label": "a", "implementation": "y", "n": 1, "status": "oom", "error": "no memory"},
+                  {"pattern_label": "a", "implementation": "y", "n": 2, "status": "skipped", "error": "oom at N=1"},
+                  {"pattern_label": "b", "implementation": "y", "n": 1, "status": "error", "error": "boom"},
+                  {"pattern_label": "b", "implementation": "y", "n": 2, "status": "error", "error": "boom"}]}
+    text = bench.tables(results)
+    assert "| y | oom [1] | - |" in text and "- [1] `y` oom: no memory" in text
+    assert "| y | error [1] | error [1] |" in text and text.count("`y` error: boom") == 1
+    assert text.count("Cells: time (s)") == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_bench_device_cuda_without_a_gpu_is_refused(capsys, tmp_path):
+    code, _, err = call(capsys, "bench", "--device", "cuda", "--lengths", "256", "--out", str(tmp_path / "o"))
+    assert code == 2 and "--device cuda: torch" in err and "sees no CUDA GPU" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments
+# ------------------------------------------------------------------------------------------------
+def test_sizes_take_k_and_m_suffixes_for_every_size_option():
+    parser = cli.build_parser()
+    assert parser.parse_args(["show", "x", "--seq-len", "1M"]).seq_len == 2 ** 20
+    args = parser.parse_args(["show", "x", "--seq-len", "4k", "--zoom", "1K", "--block-size", "64",
+                              "--num-heads", "16_384", "--head-dim", "1,024"])
+    assert (args.seq_len, args.zoom, args.num_heads, args.head_dim) == (4096, 1024, 16384, 1024)
+    args = parser.parse_args(["bench", "--lengths", "1k", "64K", "1m", "--batch", "2", "--num-heads", "4"])
+    assert args.lengths == [1024, 65536, 2 ** 20]
+    for text in ("1e3", "0", "-1", "", "k", "1.5k", "4G", "\u0661\u0662"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a positive integer"):
+            cli._count(text)
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.dest} has no help"
+            if action.option_strings and not action.required:
+                assert "default" in action.help, f"{name} {action.option_strings[0]}: {action.help!r}"
+    patterns_help = next(a.help for a in subparsers.choices["bench"]._actions if a.dest == "patterns")
+    assert f"(default: {' '.join(bench.PATTERNS)})" in patterns_help
+    for label in bench.PATTERNS:                                        # the defaults are in the list it gives
+        assert label in patterns_help.split("(default")[0]
+
+
+def test_help_imports_neither_torch_nor_matplotlib():
+    code = ("import sys\nfrom sparse_attn.cli import main\n"
+            "for argv in (['--help'], ['show', '--help'], ['bench', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'matplotlib', 'numba', 'tqdm'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
+    assert run("--help", timeout=60).returncode == 0
+
+
+def test_mistyped_preset_names_get_a_suggestion(capsys):
+    code, _, err = call(capsys, "show", "bigbird-itx", "--seq-len", "64")
+    assert code == 2
+    assert "no preset named 'bigbird-itx'; did you mean bigbird-itc?" in err
+    code, _, err = call(capsys, "bench", "--patterns", "longformr", "--lengths", "256")
+    assert code == 2 and "no preset named 'longformr'; did you mean longformer?" in err
+
+
+def test_huge_pattern_arguments_never_print_a_traceback(capsys):
+    """pattern.py may clamp or reject values past int64; either way the CLI prints no traceback."""
+    code, out, err = call(capsys, "show", "Local(9223372036854775808)", "--seq-len", "64")
+    assert (code == 0 and "token density" in out) or (code == 2 and err.startswith("sparse-attn: error: "))
+
+
+@pytest.mark.parametrize("error", [OverflowError("Python int too large to convert to C long"),
+                                   MemoryError("Unable to allocate 111. PiB")])
+def test_layouts_too_large_to_build_are_usage_errors(capsys, monkeypatch, error):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(sa.Pattern, "layout", fail)
+    code, _, err = call(capsys, "show", "Local(4)", "--seq-len", "1M")
+    assert code == 2
+    assert err.startswith("sparse-attn: error: the layout of --seq-len 1,048,576 with 1 heads") and str(error) in err
+
+
+def test_overflow_in_a_constructor_is_a_usage_error(capsys, monkeypatch):
+    def overflow(*args):
+        raise OverflowError("cannot fit 'int' into an index-sized integer")
+
+    monkeypatch.setitem(cli.CONSTRUCTORS, "Local", overflow)
+    code, _, err = call(capsys, "show", "Local(10)", "--seq-len", "64")
+    assert code == 2 and "pattern expression 'Local(10)': cannot fit 'int'" in err
+
+
+def test_interrupt_exits_130_without_a_traceback(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_patterns", interrupted)
+    assert call(capsys, "patterns") == (130, "", "sparse-attn: interrupted\n")
+
+
+def _bad_toml_files(tmp_path):
+    files = {"wrong-type.toml": '[pattern]\ntype = "local"\nbefore = "x"\n',
+             "missing-field.toml": '[pattern]\ntype = "local"\n',
+             "no-table.toml": "pattern = 3\n",
+             "members.toml": '[pattern]\ntype = "union"\npatterns = 5\n',
+             "heads.toml": 'heads = "x"\n[pattern]\ntype = "local"\nbefore = 1\n',
+             "zero-heads.toml": 'heads = 0\n[pattern]\ntype = "local"\nbefore = 1\n',
+             "unknown.toml": '[pattern]\ntype = "axial"\n',
+             "empty.toml": ""}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "directory.toml").mkdir()
+    return sorted(str(p) for p in tmp_path.iterdir())
+
+
+def test_bad_toml_files_are_usage_errors_that_name_the_file(capsys, tmp_path):
+    for path in _bad_toml_files(tmp_path):
+        code, _, err = call(capsys, "show", path, "--seq-len", "64")
+        assert code == 2 and err.startswith("sparse-attn: error: ") and path in err, (path, err)
+
+
+_PATTERNS_TOO_DEEP = "(" * 300 + "Local(1)" + ")" * 300
+
+
 @pytest.mark.parametrize("args, message", [
     (["show", "Local(64) | __import__('os')", "--seq-len", "64"], "'__import__' is not a pattern constructor"),
     (["show", "Local(64).__class__", "--seq-len", "64"], "is not allowed"),
     (["show", "Local(", "--seq-len", "64"], "is not a preset"),
+    (["show", "", "--seq-len", "64"], "is not a preset"),
+    (["show", _PATTERNS_TOO_DEEP, "--seq-len", "64"], "too many nested parentheses"),
     (["show", "Local(-1)", "--seq-len", "64"], "Local before must be >= 0, got -1"),
+    (["show", "Lòcal(1)", "--seq-len", "64"], "'Lòcal' is not a pattern constructor"),
     (["show", "longformer", "--seq-len", "64"], "longformer must be called"),
+    (["show", "../x", "--seq-len", "64"], "no pattern file at ../x"),
+    (["show", "a" * 300 + ".toml", "--seq-len", "64"], "File name too long"),
     (["show", "Local(4)", "--seq-len", "0"], "expected a positive integer"),
+    (["show", "Local(4)", "--seq-len", "10**18"], "expected a positive integer"),
+    (["show", "Local(4)", "--seq-len", str(10 ** 30)], "n_q must be"),
     (["show", "Local(4)", "--seq-len", "64", "--heads", "a"], "expected comma-separated head indices"),
+    (["show", "Local(4)", "--seq-len", "64", "--heads", "-1"], "expected head indices >= 0"),
+    (["show", "Local(4)", "--seq-len", "64", "--heads", "4", "--num-heads", "2"], "needs head indices below"),
+    (["show", "dilated-longformer", "--seq-len", "64", "--heads", "12"], "below the pattern's 12 heads"),
     (["show", "missing.toml", "--seq-len", "64"], "no pattern file at missing.toml"),
+    (["show", "Local(4)", "--seq-len", "64", "--out", "fig.xyz"], "expected a file name ending in a figure format"),
+    (["show", "Local(4)", "--seq-len", "64", "--out", "fig"], "expected a file name ending in a figure format"),
     (["bench", "--backends", "cuda-magic"], "unknown --backends cuda-magic"),
-    (["bench", "--patterns", "longformerr"], "'longformerr' is not a preset (bigbird-etc, "),
+    (["bench", "--patterns", "longformerr"], "no preset named 'longformerr'; did you mean longformer?"),
+    (["bench", "--patterns", "Local(1) -"], "is not a preset"),
     (["bench", "--lengths", "-5"], "expected a positive integer"),
+    (["bench", "--timeout", "inf"], "expected a finite number > 0 and <= 1,000,000"),
+    (["bench", "--timeout", "nan"], "expected a finite number"),
+    (["bench", "--timeout", "1e7"], "expected a finite number > 0 and <= 1,000,000"),
+    (["bench", "--timeout", "0"], "expected a finite number"),
+    (["bench", "--memory-limit-gb", "inf"], "expected a finite number > 0 and <= 1,000,000"),
+    (["bench", "--memory-limit-gb", "-1"], "expected a finite number"),
     (["bench", "--patterns", "dilated-longformer", "--lengths", "256", "--no-progress"],
      "pattern 'dilated-longformer' does not fit --num-heads 8: PerHead has 12 patterns but heads=8"),
     (["bench", "--patterns", "dilated-longformer", "--lengths", "256", "--no-progress"], "pass --num-heads 12"),
+    (["bench", "--patterns", "PerHead([Local(1), Dense()])", "--lengths", "256"], "pass --num-heads 2"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_bad_arguments_exit_2_with_a_message(args, message):
-    proc = run(*args, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_arguments_exit_2_with_a_message(capsys, monkeypatch, tmp_path, args, message):
+    monkeypatch.chdir(tmp_path)                                       # bench writes nothing where the tests run
+    code, _, err = call(capsys, *args)
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_arguments_print_no_traceback_end_to_end():
+    proc = run("show", "bigbird-itx", "--seq-len", "64", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("sparse-attn: error: no preset named 'bigbird-itx'") and "Traceback" not in proc.stderr
 
 
 def test_parse_pattern_builds_what_python_would():
     assert parse_pattern("Local(64) | Global(first=2)")[0] == sa.Local(64) | sa.Global(first=2)
     assert parse_pattern("(Local(3, 0) | Stride(4)) & Causal()")[0] == sa.sparse_transformer(4)
+    assert parse_pattern("Local(1) | Local(2) & Causal() | Dense()")[0] == \
+        sa.Local(1) | (sa.Local(2) & sa.Causal()) | sa.Dense()
     assert parse_pattern("PerHead([Local(1), Dense()])")[0] == sa.PerHead([sa.Local(1), sa.Dense()])
     assert parse_pattern("preset('bigbird-itc')")[0] == sa.preset("bigbird-itc")
     assert parse_pattern("dilated-longformer") == (sa.preset("dilated-longformer"), 12)
+    assert parse_pattern("longformer", named=bench.PATTERNS)[0] == sa.Local(256) | sa.Global(first=16)
     with pytest.raises(UsageError, match="gives a int, not a Pattern"):
         parse_pattern("3")
     with pytest.raises(UsageError, match="unary minus applies to ints only"):
         parse_pattern("-Local(1)")
+    with pytest.raises(UsageError, match=r"pattern expression \"preset\('../x'\)\": no preset named '../x'"):
+        parse_pattern("preset('../x')")
+    assert math.isclose(parse_pattern("bigbird-itc")[0].layout(1024).density,
+                        sa.preset("bigbird-itc").layout(1024).density)

@@ -22,9 +22,28 @@ def test_presets_load_and_compile(name):
     assert 0 < layout.density < 1
 
 
-def test_unknown_preset_lists_the_names():
-    with pytest.raises(ValueError, match="unknown preset 'longformer'; available: .*bigbird-itc"):
+def test_unknown_preset_lists_the_names_and_suggests_one():
+    with pytest.raises(ValueError, match="no preset named 'longformer'; did you mean longformer-base-4096\\? "
+                                         "presets: bigbird-etc, bigbird-itc, "):
         sa.preset("longformer")
+    with pytest.raises(ValueError, match="no preset named 'bigbird-itx'; did you mean bigbird-itc\\?"):
+        sa.preset("bigbird-itx")
+    with pytest.raises(TypeError, match="preset name must be a str such as 'bigbird-itc', got int: 3"):
+        sa.preset(3)
+
+
+def test_presets_are_names_not_paths():
+    """sa.preset once loaded any TOML file: '../x', absolute paths, anything the path led to."""
+    with pytest.raises(ValueError, match="no preset named '../patterns/bigbird-itc'"):
+        sa.preset("../patterns/bigbird-itc")                         # a real file, reached by a path
+    from sparse_attn.presets import preset_path
+
+    real = preset_path("bigbird-itc")
+    for name in [str(real.with_suffix("")), str(real), "bigbird-itc.toml",
+                 "../../../etc/passwd", "/tmp/x"]:
+        with pytest.raises(ValueError, match=r"no preset named .*; load a pattern file with sa.load_pattern\(path\)"):
+            sa.preset(name)
+    assert sa.load_pattern(real) == sa.preset("bigbird-itc")        # files go through load_pattern
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -45,6 +64,24 @@ def test_load_errors(tmp_path):
     bad.write_text("[pattern\n")
     with pytest.raises(ValueError, match="is not valid TOML"):
         sa.load_pattern(bad)
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="bad.toml is not valid TOML: not UTF-8 text"):
+        sa.load_pattern(bad)
+    with pytest.raises(ValueError, match="cannot read pattern file .*: Is a directory"):
+        sa.load_pattern(tmp_path)
+    bad.write_text('[pattern]\ntype = "union"\npatterns = 5\n')             # valid TOML, not a pattern
+    with pytest.raises(ValueError, match="bad.toml: .*must be an iterable"):
+        sa.load_pattern(bad)
+    bad.write_text('heads = 0\n[pattern]\ntype = "local"\nbefore = 1\n')
+    with pytest.raises(ValueError, match="bad.toml: heads must be >= 1, got 0"):
+        sa.load_pattern(bad)
+
+
+def test_declared_heads():
+    from sparse_attn.presets import declared_heads, preset_path
+
+    assert declared_heads(preset_path("dilated-longformer")) == 12
+    assert declared_heads(preset_path("bigbird-itc")) is None
 
 
 def test_longformer_window_is_split_each_side():

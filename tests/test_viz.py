@@ -21,6 +21,23 @@ def test_plot_layout_has_a_grid_and_a_zoom_per_head(tmp_path):
         viz.plot_layout(layout, heads=[5])
 
 
+def _inside(figure, artist) -> bool:
+    figure.canvas.draw()
+    box, page = artist.get_window_extent(), figure.bbox
+    return page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+
+
+def test_plot_layout_title_fits_and_labels_are_not_repeated():
+    layout = sa.preset("dilated-longformer").layout(1024, heads=12)     # a repr longer than the figure is wide
+    figure = viz.plot_layout(layout, heads=[0, 6, 9])
+    assert _inside(figure, figure._suptitle)
+    assert "Dilated(64, 4)" in figure._suptitle.get_text()
+    top, bottom = figure.axes[:3], figure.axes[3:]
+    assert [ax.get_ylabel() for ax in top + bottom] == ["query position", "", ""] * 2   # one per row
+    assert all(ax.get_xlabel() == "key position" for ax in figure.axes)
+    assert [ax.get_title() for ax in bottom] == ["tokens 0..255 (red box above)"] * 3   # the head is named above
+
+
 @pytest.mark.parametrize("n", [10, 300])
 def test_plot_attention_short_and_long(n, tmp_path):
     q = k = torch.randn(1, 1, n, 8)
@@ -29,6 +46,10 @@ def test_plot_attention_short_and_long(n, tmp_path):
     figure = viz.plot_attention(weights, tokens=tokens)
     if tokens:
         assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == tokens
+    colorbar = figure.axes[1]
+    assert colorbar.get_ylabel() == "attention probability"
+    assert figure.axes[0].get_xlabel() in ("key token", "key position")
+    assert figure.axes[0].get_ylabel() in ("query token", "query position")
     figure.savefig(tmp_path / "attention.png")
     with pytest.raises(ValueError, match=r"tokens must have one label per key \(%d\), got 1" % n):
         viz.plot_attention(weights, tokens=["x"])
@@ -43,9 +64,29 @@ def test_plot_bench_marks_failures():
                              "memory_mb": 5.0},
                             {"pattern_label": "p", "implementation": "b", "n": 512, "status": "oom"}]}
     for metric in ("time", "memory"):
-        ax = viz.plot_bench(results, metric).axes[0]
+        figure = viz.plot_bench(results, metric)
+        ax = figure.axes[0]
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
-        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a", "b"]
+        assert [t.get_text() for t in figure.legends[0].get_texts()] == ["a", "b"]
         assert any(t.get_text() == "oom" for t in ax.texts)
     with pytest.raises(ValueError, match="metric must be 'time' or 'memory', got 'speed'"):
         viz.plot_bench(results, "speed")
+
+
+def test_plot_bench_one_legend_one_y_label_and_missing_lines_named():
+    results = {"patterns": {"p": "Local(1)", "q": "Local(256) | Global(first=64, last=64) | Random(3, seed=1234567)"},
+               "implementations": {"a": "", "b": ""},
+               "config": {"batch": 1, "heads": 8, "head_dim": 64, "dtype": "float32", "device": "cpu", "backward": True},
+               "points": [{"pattern_label": label, "implementation": "a", "n": n, "status": "ok", "time_s": 0.1,
+                           "memory_mb": 1.0} for label in "pq" for n in (256, 512)]
+                         + [{"pattern_label": "p", "implementation": "b", "n": 256, "status": "ok", "time_s": 0.2,
+                             "memory_mb": 2.0},
+                            {"pattern_label": "q", "implementation": "b", "n": 256, "status": "unavailable"}]}
+    figure = viz.plot_bench(results, "time")
+    left, right = figure.axes
+    assert len(figure.legends) == 1 and left.get_legend() is None and right.get_legend() is None
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["a", "b"]
+    assert left.get_ylabel() == "time per call (s)" and right.get_ylabel() == ""
+    assert [t.get_text() for t in right.texts] == ["no points: b (n/a)"]
+    assert [line.get_color() for line in left.lines] == [line.get_color() for line in right.lines] + ["C1"]
+    assert all(_inside(figure, ax.title) for ax in figure.axes)
