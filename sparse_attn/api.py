@@ -8,11 +8,13 @@ torch.Size([1, 2, 100, 16])
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from . import backends
-from .layout import BlockLayout
+from .layout import BlockLayout, check_bool
 from .pattern import Pattern
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -37,44 +39,70 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 
     Returns:
         out (B, Hq, Nq, D) in the dtype of q, or ``(out, lse)`` with ``return_lse=True``.
+
+    Meta tensors (no values) give meta results of these shapes and dtypes, with an autograd graph, as
+    torch's ``scaled_dot_product_attention`` does; the pattern and masks are checked but no layout is
+    built, since a mask's values cannot be read.
     """
     batch, q_heads, n_q, head_dim = check_inputs(q, k, v)
     n_k = k.shape[2]
-    name = _choose_backend(backend, q)
-    module = backends.load(name)
-    layout = resolve_layout(pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal, key_padding_mask,
-                            global_mask)
+    return_lse = check_bool("return_lse", return_lse)
+    module = backends.load(_choose_backend(backend, q))
     scale = resolve_scale(scale, head_dim)
-    layout = layout.to(q.device)
-    module.check(q, k, v, layout)
-    out, lse = module.attention(q, k, v, layout, scale)
+    if q.device.type == "meta":
+        check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask)
+        out, lse = _meta_attention(q, k, v)
+    else:
+        layout = resolve_layout(pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal, key_padding_mask,
+                                global_mask).to(q.device)
+        module.check(q, k, v, layout)
+        out, lse = module.attention(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
 
 
 def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,
                    key_padding_mask, global_mask) -> BlockLayout:
     """The layout to run: a prebuilt one checked against the inputs, or one built from the pattern."""
+    check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask)
+    if isinstance(pattern, BlockLayout):
+        return pattern
+    return pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal, global_mask=global_mask,
+                          key_padding_mask=key_padding_mask)
+
+
+def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causal, key_padding_mask,
+                      global_mask) -> None:
+    """The pattern (or prebuilt layout), causal and the call-time masks, against the inputs' shapes."""
+    causal = check_bool("causal", causal)
     if isinstance(pattern, BlockLayout):
         if causal or key_padding_mask is not None or global_mask is not None:
             raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
                              "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
                              "the Pattern instead")
         _check_layout(pattern, batch, heads, n_q, n_k)
-        return pattern
-    if isinstance(pattern, Pattern):
+    elif isinstance(pattern, Pattern):
         for name, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
             _check_call_mask(name, mask, batch, n)
-        return pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal, global_mask=global_mask,
-                              key_padding_mask=key_padding_mask)
-    raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+        pattern._check_heads(heads)
+    else:
+        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+
+
+def _meta_attention(q, k, v):
+    """out (B, Hq, Nq, D) and lse (B, Hq, Nq) as meta tensors: the reference computation with every pair
+    allowed, which on meta tensors only propagates shapes, dtypes and the autograd graph."""
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.unflatten(1, (k.shape[1], -1)), k).to(lse_dtype)  # (B, Hkv, G, Nq, Nk)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1).to(v.dtype), v)                     # (B, Hkv, G, Nq, D)
+    return out.flatten(1, 2), scores.logsumexp(-1).flatten(1, 2)
 
 
 def resolve_scale(scale, head_dim: int) -> float:
-    """``scale``, defaulting to 1 / sqrt(head_dim)."""
+    """``scale``, defaulting to 1 / sqrt(head_dim); any finite positive real (numpy scalars included)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     return float(scale)
 
 
@@ -103,8 +131,9 @@ def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
     if k.shape[1] == 0 or q_heads % k.shape[1] != 0:
         raise ValueError(f"the number of k/v heads ({k.shape[1]}) must divide the number of q heads ({q_heads}) "
                          f"for grouped-query attention")
-    if min(n_q, k.shape[2], head_dim, batch) == 0:
-        raise ValueError(f"q and k need batch, seq_len and head_dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if min(n_q, k.shape[2], head_dim, batch, q_heads) == 0:
+        raise ValueError(f"q and k need batch, heads, seq_len and head_dim >= 1, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     return batch, q_heads, n_q, head_dim
 
 
@@ -119,7 +148,8 @@ def _choose_backend(backend: str, q: torch.Tensor) -> str:
 def _check_call_mask(name: str, mask, batch: int, n: int) -> None:
     if mask is None:
         return
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            or isinstance(mask, np.ndarray) and mask.dtype == np.bool_):  # numpy bools work as in pattern.layout
         raise TypeError(f"{name} must be a torch.bool tensor of shape ({batch}, {n}), got "
                         f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool() "
                         f"({'True = padding' if name == 'key_padding_mask' else 'True = global token'})")

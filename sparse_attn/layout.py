@@ -11,7 +11,9 @@ computed block (query block r, key block c) is either
 - **full**: every pair in it is allowed, the kernel runs it without any mask, or
 - **partial**: the kernel applies ``masks[m]``, a (block_size, block_size) bool tile that is exact
   at token level and False outside the sequence. Blocks with the same tile share one entry, so
-  ``masks`` stays small (a Longformer layout at 1M tokens has a handful).
+  ``masks`` stays small (a Longformer layout at 1M tokens has a handful). A sequence shorter than
+  ``block_size`` is one block, and its tiles are only as large as the sequence: building and storing
+  a layout costs what the sequence needs, however large ``block_size`` is.
 
 Blocks that are neither are never touched. Indices are CSR per (example, head, query block), and
 transposed per (example, head, key block) for the dK/dV pass of the backward.
@@ -25,10 +27,11 @@ import numpy as np
 import torch
 
 from ._host import host_only
-from .pattern import (Causal, Intersection, Pattern, Union, _check_int, _check_lengths, _check_pattern, _Ctx,
-                      _KeyPadding, _n_blocks, _TokenGlobal, block_table)
+from .pattern import Pattern, _check_int, _check_lengths, _check_pattern, _Ctx, _n_blocks, block_table, with_call_data
 
 _GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
+_TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
+_INT32_MAX = 2**31 - 1
 
 
 class BlockLayout:
@@ -39,24 +42,55 @@ class BlockLayout:
 
     ============== ====================== =================================================
     full_ptr       (Bl, Hl, n_q_blocks+1) row r's full key blocks are
-                                          ``full_idx[full_ptr[b, h, r]:full_ptr[b, h, r+1]]``
+                                          ``full_idx[full_ptr[b, h, r]:full_ptr[b, h, r+1]]``;
+                                          each (b, h) starts where the previous one ends
     full_idx       (n_full,)              key-block indices, sorted within a row
     part_ptr       (Bl, Hl, n_q_blocks+1) the same for partial blocks ...
     part_idx       (n_part,)
     part_mask      (n_part,)              ... and the index of each one's tile in ``masks``
-    masks          (n_masks, bs, bs) bool token mask of a partial block
+    masks          (n_masks, tq, tk) bool token mask of a partial block, False outside the
+                                          sequence; tq = min(block_size, n_q) and
+                                          tk = min(block_size, n_k)
     full_t_ptr     (Bl, Hl, n_k_blocks+1) transposed: key block c's full query blocks
     full_t_idx     (n_full,)
     part_t_ptr     (Bl, Hl, n_k_blocks+1) transposed partial blocks
     part_t_idx     (n_part,)
     part_t_mask    (n_part,)
     ============== ====================== =================================================
+
+    ``pattern.layout(...)`` builds consistent layouts and skips every check. The constructor, for
+    layouts built by hand (say from another library's block layout), checks what the kernels rely
+    on and raises a ValueError/TypeError naming the field: dtypes and shapes above, one device,
+    row pointers non-decreasing from 0 to the index length, block indices in range, sorted and
+    without duplicates within a row, no block both full and partial, tile ids in range, tiles
+    False outside the sequence, and the transposed index exactly the transpose of the row index.
+    ``pattern`` (shown by ``print``) may be None.
     """
 
     _TENSORS = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
                 "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
 
-    def __init__(self, *, pattern, n_q, n_k, heads, block_size, causal, **tensors):
+    def __init__(self, *, pattern: Pattern | None, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
+                 **tensors: torch.Tensor):
+        if pattern is not None:
+            _check_pattern("BlockLayout pattern", pattern)
+        n_q, n_k = _check_lengths(n_q, n_k)
+        names = set(tensors)
+        if names != set(self._TENSORS):
+            raise TypeError(f"BlockLayout needs the tensors {list(self._TENSORS)}; missing "
+                            f"{sorted(set(self._TENSORS) - names)}, unexpected {sorted(names - set(self._TENSORS))}")
+        self._set(pattern, n_q, n_k, _check_int("heads", heads, 1), _check_int("block_size", block_size, 1),
+                  check_bool("causal", causal), tensors)
+        _check_tensors(self)
+
+    @classmethod
+    def _trusted(cls, pattern, n_q, n_k, heads, block_size, causal, tensors) -> BlockLayout:
+        """A layout from the builder (or a copy of a checked one): consistent by construction, not re-checked."""
+        layout = cls.__new__(cls)
+        layout._set(pattern, n_q, n_k, heads, block_size, causal, tensors)
+        return layout
+
+    def _set(self, pattern, n_q, n_k, heads, block_size, causal, tensors) -> None:
         self.pattern, self.n_q, self.n_k, self.heads = pattern, n_q, n_k, heads
         self.block_size, self.causal = block_size, causal
         for name in self._TENSORS:
@@ -71,6 +105,12 @@ class BlockLayout:
     @property
     def n_k_blocks(self) -> int:
         return _n_blocks(self.n_k, self.block_size)
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        """(tq, tk) of every tile in ``masks``: ``block_size``, or the sequence where it is shorter.
+        Blocks start every tq query rows and every tk keys."""
+        return min(self.block_size, self.n_q), min(self.block_size, self.n_k)
 
     @property
     def batch(self) -> int:
@@ -92,8 +132,8 @@ class BlockLayout:
             return self
         if device not in self._on_device:
             moved = {name: getattr(self, name).to(device) for name in self._TENSORS}
-            self._on_device[device] = BlockLayout(pattern=self.pattern, n_q=self.n_q, n_k=self.n_k, heads=self.heads,
-                                                  block_size=self.block_size, causal=self.causal, **moved)
+            self._on_device[device] = BlockLayout._trusted(self.pattern, self.n_q, self.n_k, self.heads, self.block_size,
+                                                           self.causal, moved)
         return self._on_device[device]
 
     # --- counts --------------------------------------------------------------------------------
@@ -101,8 +141,8 @@ class BlockLayout:
         return self.heads if self.shared_heads else 1
 
     def _block_areas(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        bs = self.block_size
-        return (np.minimum((rows + 1) * bs, self.n_q) - rows * bs) * (np.minimum((cols + 1) * bs, self.n_k) - cols * bs)
+        tq, tk = self.tile_shape
+        return (np.minimum((rows + 1) * tq, self.n_q) - rows * tq) * (np.minimum((cols + 1) * tk, self.n_k) - cols * tk)
 
     def _rows_of(self, ptr: torch.Tensor) -> np.ndarray:
         """Query-block index of every entry of a CSR index with row pointers ``ptr``."""
@@ -120,7 +160,7 @@ class BlockLayout:
 
     def _tile_counts(self) -> np.ndarray:
         """Allowed pairs of each tile in ``masks``."""
-        return self.masks.reshape(self.masks.shape[0], self.block_size ** 2).sum(1).cpu().numpy()
+        return self.masks.flatten(1).sum(1).cpu().numpy()
 
     def computed_pairs(self) -> int:
         """Token pairs inside computed blocks (what a kernel multiplies), over heads and examples."""
@@ -155,9 +195,9 @@ class BlockLayout:
     # --- dense views (small N) -----------------------------------------------------------------
     def row_mask(self, r0: int, r1: int) -> torch.Tensor:
         """Token mask of query blocks r0..r1-1: bool (Bl, Hl, rows, n_k), rows clipped to n_q."""
-        bs, n_kb = self.block_size, self.n_k_blocks
+        (tq, tk), n_kb = self.tile_shape, self.n_k_blocks
         bl, hl = self.full_ptr.shape[:2]
-        out = torch.zeros(bl * hl, r1 - r0, bs, n_kb, bs, dtype=torch.bool, device=self.device)
+        out = torch.zeros(bl * hl, r1 - r0, tq, n_kb, tk, dtype=torch.bool, device=self.device)
         for g, (full_ptr, part_ptr) in enumerate(zip(self.full_ptr.reshape(bl * hl, -1),
                                                      self.part_ptr.reshape(bl * hl, -1))):
             for ptr, idx, tiles in ((full_ptr, self.full_idx, None), (part_ptr, self.part_idx, self.part_mask)):
@@ -168,8 +208,8 @@ class BlockLayout:
                     out[g, rows, :, cols, :] = True
                 else:
                     out[g, rows, :, cols, :] = self.masks[tiles[lo:hi].long()]
-        rows_valid = min(r1 * bs, self.n_q) - r0 * bs
-        return out.reshape(bl, hl, (r1 - r0) * bs, n_kb * bs)[:, :, :rows_valid, :self.n_k]
+        rows_valid = min(r1 * tq, self.n_q) - r0 * tq
+        return out.reshape(bl, hl, (r1 - r0) * tq, n_kb * tk)[:, :, :rows_valid, :self.n_k]
 
     def to_dense(self) -> torch.Tensor:
         """Token mask, bool (batch, heads, n_q, n_k): what the kernels compute. Small N only."""
@@ -192,7 +232,7 @@ class BlockLayout:
             for r0 in range(0, self.n_q_blocks, 16):
                 mask = self.row_mask(r0, min(r0 + 16, self.n_q_blocks))[b, h]
                 nz = mask.nonzero().cpu().numpy()
-                rows.append(nz[:, 0] + r0 * self.block_size)
+                rows.append(nz[:, 0] + r0 * self.tile_shape[0])
                 cols.append(nz[:, 1])
             rows, cols = np.concatenate(rows), np.concatenate(cols)
             return scipy.sparse.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(self.n_q, self.n_k))
@@ -237,12 +277,12 @@ class BlockLayout:
         from torch.nn.attention.flex_attention import BlockMask
 
         bl, hl = self.full_ptr.shape[:2]
-        n_qb, n_kb, bs = self.n_q_blocks, self.n_k_blocks, self.block_size
+        n_qb, n_kb, (tq, tk) = self.n_q_blocks, self.n_k_blocks, self.tile_shape
         # mask_mod may be evaluated anywhere (eagerly on every pair): tile n_masks is all-True for
         # full blocks, tile n_masks + 1 all-False for absent ones
         n_masks = self.masks.shape[0]
-        tiles_ext = torch.cat([self.masks, torch.ones(1, bs, bs, dtype=torch.bool, device=self.device),
-                               torch.zeros(1, bs, bs, dtype=torch.bool, device=self.device)])
+        tiles_ext = torch.cat([self.masks, torch.ones(1, tq, tk, dtype=torch.bool, device=self.device),
+                               torch.zeros(1, tq, tk, dtype=torch.bool, device=self.device)])
         tile_of_block = torch.full((bl, hl, n_qb, n_kb), n_masks + 1, dtype=torch.int64, device=self.device)
         kv_num, kv_idx = [], []
         for ptr, idx, tiles in ((self.part_ptr, self.part_idx, self.part_mask),
@@ -261,9 +301,9 @@ class BlockLayout:
             kv_idx.append(indices)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return tiles_ext[tile_of_block[b % bl, h % hl, q_idx // bs, kv_idx // bs], q_idx % bs, kv_idx % bs]
+            return tiles_ext[tile_of_block[b % bl, h % hl, q_idx // tq, kv_idx // tk], q_idx % tq, kv_idx % tk]
 
-        return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=bs,
+        return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=self.block_size,
                                         mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
 
     def _check_example_head(self, batch: int, head: int) -> tuple[int, int]:
@@ -296,6 +336,93 @@ class BlockLayout:
 
 
 # ------------------------------------------------------------------------------------------------
+# Checking a hand-built layout
+# ------------------------------------------------------------------------------------------------
+def _check_tensors(layout: BlockLayout) -> None:
+    """Everything the kernels rely on, for a layout not built by ``pattern.layout``; see BlockLayout."""
+    tensors = {name: getattr(layout, name) for name in BlockLayout._TENSORS}
+    for name, tensor in tensors.items():
+        expected = torch.bool if name == "masks" else torch.int32
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != expected:
+            raise TypeError(f"BlockLayout {name} must be a {expected} tensor, got "
+                            f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+    devices = {tensor.device for tensor in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"BlockLayout tensors must be on one device, got {sorted(map(str, devices))}; move them with .to()")
+    for name, tensor in tensors.items():
+        setattr(layout, name, tensor.contiguous())  # the kernels read flat memory
+    groups = tuple(layout.full_ptr.shape[:2]) if layout.full_ptr.dim() == 3 else None
+    if groups is None or groups[0] < 1 or groups[1] not in (1, layout.heads):
+        raise ValueError(f"BlockLayout full_ptr must have shape (Bl, Hl, n_q_blocks + 1) with Bl >= 1 and Hl 1 or "
+                         f"heads={layout.heads}, got {tuple(layout.full_ptr.shape)}")
+    host = {name: tensor.cpu().numpy() for name, tensor in tensors.items()}
+    n_qb, n_kb = layout.n_q_blocks, layout.n_k_blocks
+    expected_shapes = {"full_ptr": (*groups, n_qb + 1), "part_ptr": (*groups, n_qb + 1), "full_t_ptr": (*groups, n_kb + 1),
+                       "part_t_ptr": (*groups, n_kb + 1), "masks": (host["masks"].shape[0], *layout.tile_shape),
+                       "part_mask": host["part_idx"].shape, "part_t_mask": host["part_t_idx"].shape}
+    for name, shape in expected_shapes.items():
+        if host[name].shape != shape:
+            raise ValueError(f"BlockLayout {name} must have shape {shape}, got {host[name].shape}")
+    for name in ("full_idx", "part_idx", "full_t_idx", "part_t_idx"):
+        if host[name].ndim != 1:
+            raise ValueError(f"BlockLayout {name} must be one-dimensional, got shape {host[name].shape}")
+    entries = {}
+    for kind in ("full", "part"):
+        tile = host["part_mask"] if kind == "part" else np.full(len(host["full_idx"]), -1)
+        tile_t = host["part_t_mask"] if kind == "part" else np.full(len(host["full_t_idx"]), -1)
+        if kind == "part" and len(tile) and (min(tile.min(), tile_t.min()) < 0 or
+                                             max(tile.max(), tile_t.max()) >= len(host["masks"])):
+            raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {len(host['masks'])}) "
+                             f"(the length of masks)")
+        g, r = _csr_rows(f"{kind}_ptr", host[f"{kind}_ptr"], f"{kind}_idx", host[f"{kind}_idx"], n_kb)
+        g_t, c_t = _csr_rows(f"{kind}_t_ptr", host[f"{kind}_t_ptr"], f"{kind}_t_idx", host[f"{kind}_t_idx"], n_qb)
+        r_t = host[f"{kind}_t_idx"]
+        order = np.lexsort((c_t, r_t, g_t))  # the transposed entries in row-index order
+        row_index = (g, r, host[f"{kind}_idx"], tile)
+        if len(order) != len(g) or not all(np.array_equal(a, b[order]) for a, b in zip(row_index, (g_t, r_t, c_t, tile_t))):
+            names = f"{kind}_t_ptr/{kind}_t_idx" + ("/part_t_mask" if kind == "part" else "")
+            raise ValueError(f"BlockLayout {names} must be exactly the transpose of {kind}_ptr/{kind}_idx"
+                             + ("/part_mask" if kind == "part" else "") + ": the same (example, head, query block, "
+                             f"key block{', tile' if kind == 'part' else ''}) entries, listed per key block")
+        entries[kind] = row_index
+    g, r, c = (np.concatenate([entries["full"][i], entries["part"][i]]) for i in range(3))
+    order = np.lexsort((c, r, g))
+    g, r, c = g[order], r[order], c[order]
+    if ((g[1:] == g[:-1]) & (r[1:] == r[:-1]) & (c[1:] == c[:-1])).any():
+        raise ValueError("BlockLayout lists a block both in full_idx and in part_idx; a block is full or partial")
+    _check_tiles_end_with_sequence(layout, host["masks"], *entries["part"])
+
+
+def _csr_rows(ptr_name: str, ptr: np.ndarray, idx_name: str, idx: np.ndarray, n_cols: int):
+    """(group, row) of every entry of a checked CSR index: groups are the flattened (example, head)."""
+    flat = ptr.reshape(-1, ptr.shape[-1]).astype(np.int64)                     # (groups, n_rows + 1)
+    chained = flat[0, 0] == 0 and np.array_equal(flat[1:, 0], flat[:-1, -1]) and flat[-1, -1] == len(idx)
+    if not chained or (np.diff(flat, axis=1) < 0).any():
+        raise ValueError(f"BlockLayout {ptr_name} must be non-decreasing row pointers into {idx_name}, from 0 to its "
+                         f"length {len(idx)}, each (example, head) starting where the previous one ends")
+    if len(idx) and (idx.min() < 0 or idx.max() >= n_cols):
+        raise ValueError(f"BlockLayout {idx_name} must hold block indices in [0, {n_cols}), got values in "
+                         f"[{idx.min()}, {idx.max()}]")
+    n_rows = flat.shape[1] - 1
+    row = np.repeat(np.arange(flat.shape[0] * n_rows), np.diff(flat, axis=1).reshape(-1))
+    if ((row[1:] == row[:-1]) & (idx[1:] <= idx[:-1])).any():
+        raise ValueError(f"BlockLayout {idx_name} must be sorted and without duplicates within each row")
+    return row // n_rows, row % n_rows
+
+
+def _check_tiles_end_with_sequence(layout: BlockLayout, masks: np.ndarray, group, rows, cols, tiles) -> None:
+    """Tiles of the last (shorter) block row or column must be False past the sequence end."""
+    (tq, tk), last_row, last_col = layout.tile_shape, layout.n_q_blocks - 1, layout.n_k_blocks - 1
+    rows_in, cols_in = layout.n_q - last_row * tq, layout.n_k - last_col * tk
+    outside = masks[:, rows_in:, :].any((1, 2))[tiles] & (rows == last_row)
+    outside |= masks[:, :, cols_in:].any((1, 2))[tiles] & (cols == last_col)
+    if outside.any():
+        raise ValueError(f"BlockLayout masks[{tiles[outside][0]}] allows pairs outside the sequence (query rows >= "
+                         f"{layout.n_q} or keys >= {layout.n_k}) in a block of the last row or column; tiles must be "
+                         f"False there")
+
+
+# ------------------------------------------------------------------------------------------------
 # Building
 # ------------------------------------------------------------------------------------------------
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
@@ -309,10 +436,8 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
     """
     _check_pattern("pattern", pattern)
     n_q, n_k = _check_lengths(n_q, n_k)
-    _check_int("heads", heads, 1)
-    _check_int("block_size", block_size, 1)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    heads, block_size = _check_int("heads", heads, 1), _check_int("block_size", block_size, 1)
+    causal = check_bool("causal", causal)
     pattern._check_heads(heads)
     batch = None
     if global_mask is not None:
@@ -327,14 +452,24 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
                           _Mask.of(key_padding_mask))
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` as a bool (a numpy bool included), else a TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
     if isinstance(mask, torch.Tensor):
+        if mask.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor: its values, which decide the layout, cannot be read; pass "
+                             f"a tensor with values (sparse_attention with meta q, k, v needs no layout)")
         mask = mask.detach().cpu().numpy()
     if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
         raise TypeError(f"{name} must be a bool tensor of shape (batch, {n}), got "
                         f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool()")
-    if mask.ndim != 2 or mask.shape[1] != n or (batch is not None and mask.shape[0] != batch):
-        expected = f"({'batch' if batch is None else batch}, {n})"
+    if mask.ndim != 2 or mask.shape[1] != n or mask.shape[0] == 0 or (batch is not None and mask.shape[0] != batch):
+        expected = f"(batch, {n}) with batch >= 1" if batch is None else f"({batch}, {n})"
         raise ValueError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
     return mask
 
@@ -363,42 +498,43 @@ def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _M
 
 
 def _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask) -> BlockLayout:
+    # a block_size beyond both lengths means one block a side, as a block of max(n_q, n_k) does: compile
+    # with that, so no cost and no intermediate depends on how large block_size is
+    step = min(block_size, max(n_q, n_k))
     n_heads = heads if pattern.head_dependent else 1
     tables, tiles = [], []
     for b in range(batch or 1):
         for h in range(n_heads):
             ctx = _Ctx(n_q, n_k, h)
-            rule = pattern._resolve(ctx)
-            if global_mask is not None:
-                positions = np.flatnonzero(global_mask[b]).astype(np.int64)
-                rule = Union(rule, _TokenGlobal(positions, positions))
-            if causal:
-                rule = Intersection(rule, Causal())
-            if key_padding_mask is not None:
-                rule = Intersection(rule, _KeyPadding(key_padding_mask[b]))
-            keys, full, tile, masks = _compile(rule, ctx, block_size)
+            positions = None if global_mask is None else np.flatnonzero(global_mask[b]).astype(np.int64)
+            rule = with_call_data(pattern._resolve(ctx), positions, causal,
+                                  None if key_padding_mask is None else key_padding_mask[b])
+            keys, full, tile, masks = _compile(rule, ctx, step)
             tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
             tiles.append(masks)
-    masks, remap = _unique_tiles(np.concatenate(tiles) if tiles else np.zeros((0, block_size, block_size), bool))
-    n_kb = _n_blocks(n_k, block_size)
+    masks, remap = _unique_tiles(np.concatenate(tiles))
+    n_kb = _n_blocks(n_k, step)
     shape = (batch or 1, n_heads)
     group = np.concatenate([np.full(len(t[0]), g, dtype=np.int64) for g, t in enumerate(tables)])
     keys, full, tile = (np.concatenate(column) for column in zip(*tables))
+    if len(keys) > _INT32_MAX:
+        raise ValueError(f"the layout has {len(keys)} (example, head, block) entries, more than its int32 indices "
+                         f"hold ({_INT32_MAX}); use a larger block_size (got {block_size})")
     rows, cols = keys // n_kb, keys % n_kb
     tensors = {}
     for kind, sel in (("full", full), ("part", ~full)):
         g, r, c = group[sel], rows[sel], cols[sel]
         t = remap[tile[sel]] if kind == "part" else None
         by_col = np.lexsort((r, c, g))
-        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, _n_blocks(n_q, block_size))
+        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, _n_blocks(n_q, step))
         tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
         tensors[f"{kind}_t_ptr"] = _ptr(g[by_col], c[by_col], shape, n_kb)
         tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
         if t is not None:
             tensors["part_mask"] = torch.from_numpy(t.astype(np.int32))
             tensors["part_t_mask"] = torch.from_numpy(t[by_col].astype(np.int32))
-    return BlockLayout(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=causal,
-                       masks=torch.from_numpy(masks), **tensors)
+    tensors["masks"] = torch.from_numpy(masks)
+    return BlockLayout._trusted(pattern, n_q, n_k, heads, block_size, causal, tensors)
 
 
 def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int) -> torch.Tensor:
@@ -425,7 +561,7 @@ def _compile(rule: Pattern, ctx: _Ctx, bs: int):
     _, first, group = np.unique(np.column_stack([sig[part], cut]), axis=0, return_index=True, return_inverse=True)
     group = group.reshape(-1)
     tiles = _tiles(rule, ctx, bs, rows[part][first] * bs, cols[part][first] * bs)
-    allowed = tiles.reshape(len(first), bs * bs).sum(1)
+    allowed = tiles.sum((1, 2))
     area = (np.minimum(rows[part][first] * bs + bs, ctx.n_q) - rows[part][first] * bs) * \
            (np.minimum(cols[part][first] * bs + bs, ctx.n_k) - cols[part][first] * bs)
     keep_tile = (allowed > 0) & (allowed < area)
@@ -439,24 +575,28 @@ def _compile(rule: Pattern, ctx: _Ctx, bs: int):
     return keys[keep], full[keep], tile[keep], tiles[keep_tile]
 
 
-def _tiles(rule, ctx, bs, i0, j0, chunk: int = 256) -> np.ndarray:
-    """Token masks (n, bs, bs) of blocks starting at query row i0 and key j0, False outside."""
-    a = np.arange(bs, dtype=np.int64)
-    out = np.zeros((len(i0), bs, bs), dtype=bool)
-    for s in range(0, len(i0), chunk):
-        i = i0[s:s + chunk, None, None] + a[None, :, None]
-        j = j0[s:s + chunk, None, None] + a[None, None, :]
+def _tiles(rule, ctx, bs, i0, j0) -> np.ndarray:
+    """Token masks (n, tq, tk) of blocks starting at query row i0 and key j0, False outside the sequence;
+    tq = min(bs, n_q), tk = min(bs, n_k). Evaluated a few tile rows at a time, in bounded memory."""
+    tq, tk = min(bs, ctx.n_q), min(bs, ctx.n_k)
+    out = np.zeros((len(i0) * tq, tk), dtype=bool)                      # every tile row, stacked
+    cols = np.arange(tk, dtype=np.int64)
+    rows_per_chunk = max(1, _TILE_ELEMENTS // tk)
+    for s in range(0, len(out), rows_per_chunk):
+        row = np.arange(s, min(s + rows_per_chunk, len(out)), dtype=np.int64)
+        i = (i0[row // tq] + row % tq)[:, None]                        # (rows, 1) query rows
+        j = j0[row // tq][:, None] + cols[None, :]                     # (rows, tk) keys
         inside = (i < ctx.n_q) & (j < ctx.n_k)
         positions = np.minimum(i, ctx.n_q - 1) + ctx.shift
-        out[s:s + chunk] = rule._allows(positions, np.minimum(j, ctx.n_k - 1), ctx) & inside
-    return out
+        out[s:s + len(row)] = rule._allows(positions, np.minimum(j, ctx.n_k - 1), ctx) & inside
+    return out.reshape(len(i0), tq, tk)
 
 
 def _unique_tiles(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Deduplicate tiles across examples and heads: (unique tiles, old index -> new index)."""
     if len(tiles) == 0:
         return tiles, np.zeros(0, dtype=np.int64)
-    packed = np.packbits(tiles.reshape(len(tiles), tiles.shape[1] * tiles.shape[2]), axis=1)
+    packed = np.packbits(tiles.reshape(len(tiles), -1), axis=1)
     _, first, inverse = np.unique(packed, axis=0, return_index=True, return_inverse=True)
     return tiles[first], inverse.reshape(-1)
 

@@ -25,16 +25,26 @@ three questions, all vectorised over numpy int64 arrays and none of them N x N:
 Positions: keys are at 0..n_k-1 and query row i is at position ``i + n_k - n_q`` (bottom-right
 aligned, as FlashAttention and FlexAttention align a decode step); with n_q == n_k they coincide.
 Rules see positions; blocks and masks are indexed by query row.
+
+Arguments are Python ints of any size; resolving clamps them to the context (a window or block wider
+than the sequence is the sequence, a Stride offset counts modulo the stride), so rules only ever
+compute with int64 values bounded by the sequence lengths (at most ``MAX_LENGTH``). Combinators nest
+at most ``MAX_DEPTH`` levels, which keeps every tree walk (``==``, ``repr``, pickling, resolving) far
+from Python's recursion limit.
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
+
+MAX_LENGTH = 2**31 - 1  # n_q, n_k: block indices are int32, and positions times block sizes stay in int64
+MAX_DEPTH = 64          # nested levels of |, & and PerHead (chains of one operator are flattened, not nested)
 
 
 class _Ctx(NamedTuple):
@@ -46,6 +56,11 @@ class _Ctx(NamedTuple):
     def shift(self) -> int:
         """Position of query row 0: queries are the last n_q positions of the key sequence."""
         return self.n_k - self.n_q
+
+    @property
+    def span(self) -> int:
+        """Positions lie in [min(shift, 0), n_k - 1]: any two differ by less than ``span``."""
+        return max(self.n_q, self.n_k)
 
 
 class _Blocks(NamedTuple):
@@ -67,18 +82,42 @@ def _as_columns(sig: np.ndarray, n: int) -> np.ndarray:
     return sig if sig.ndim == 2 else np.broadcast_to(sig, (n,))[:, None]
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+def _as_int(value):
+    """``value`` as a Python int (numpy ints and other integer types included), else None; bools are not ints."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int, checked: ``_check_int("heads", np.int64(4), 1) == 4``."""
+    as_int = _as_int(value)
+    if as_int is None:
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if minimum is not None and as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
+    if maximum is not None and as_int > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {as_int}")
+    return as_int
+
+
+def _set_int(spec: Pattern, field: str, minimum: int | None = None) -> None:
+    """Check a spec's int field and store it as a Python int (so arithmetic on it never wraps)."""
+    value = _check_int(f"{type(spec).__name__} {field}", getattr(spec, field), minimum)
+    object.__setattr__(spec, field, value)
 
 
 def _check_tokens(name: str, tokens) -> tuple[int, ...]:
     try:
-        tokens = tuple(sorted(set(int(t) for t in tokens)))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a sequence of ints, got {tokens!r}") from None
+        values = [None] if isinstance(tokens, (str, bytes)) else [_as_int(t) for t in tokens]
+    except TypeError:  # not iterable
+        values = [None]
+    if None in values:
+        raise TypeError(f"{name} must be a sequence of ints, got {tokens!r}")
+    tokens = tuple(sorted(set(values)))
     if tokens and tokens[0] < 0:
         raise ValueError(f"{name} must hold token positions >= 0, got {tokens[0]}")
     return tokens
@@ -112,6 +151,7 @@ class Pattern:
 
     _type: ClassVar[str]
     _registry: ClassVar[dict[str, type[Pattern]]] = {}
+    _depth: ClassVar[int] = 0  # combinator levels in this pattern (set per instance on combinators)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -185,25 +225,7 @@ class Pattern:
         >>> Pattern.from_dict({"type": "local", "before": 4})
         Local(4)
         """
-        if not isinstance(d, dict) or "type" not in d:
-            raise ValueError(f"a pattern dict needs a 'type' key, got {d!r}")
-        kind = d["type"]
-        cls = Pattern._registry.get(kind)
-        if cls is None:
-            raise ValueError(f"unknown pattern type {kind!r}; expected one of {sorted(Pattern._registry)}")
-        kwargs = {}
-        for key, value in d.items():
-            if key == "type":
-                continue
-            if key not in {f.name for f in dataclasses.fields(cls)}:
-                fields = [f.name for f in dataclasses.fields(cls)]
-                raise ValueError(f"pattern type {kind!r} has no field {key!r}; its fields are {fields}")
-            if isinstance(value, list) and value and isinstance(value[0], dict):
-                value = [Pattern.from_dict(v) for v in value]
-            kwargs[key] = value
-        if cls in (Union, Intersection):  # they take their members as *patterns
-            return cls(*kwargs.get("patterns", ()))
-        return cls(**kwargs)
+        return _from_dict(d, level=0)
 
     def __repr__(self) -> str:
         parts = []
@@ -250,16 +272,46 @@ def _field_default(f: dataclasses.Field):
     return dataclasses.MISSING
 
 
+def _from_dict(d: dict, level: int) -> Pattern:
+    """``Pattern.from_dict`` of a dict nested ``level`` combinations deep (refused past MAX_DEPTH)."""
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError(f"a pattern dict needs a 'type' key, got {d!r}")
+    kind = d["type"]
+    cls = Pattern._registry.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown pattern type {kind!r}; expected one of {sorted(Pattern._registry)}")
+    kwargs = {}
+    for key, value in d.items():
+        if key == "type":
+            continue
+        if key not in {f.name for f in dataclasses.fields(cls)}:
+            fields = [f.name for f in dataclasses.fields(cls)]
+            raise ValueError(f"pattern type {kind!r} has no field {key!r}; its fields are {fields}")
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            if level == MAX_DEPTH:
+                raise _depth_error(f"the pattern dict's {kind!r}", level + 1)
+            value = [_from_dict(v, level + 1) for v in value]
+        kwargs[key] = value
+    if cls in (Union, Intersection):  # they take their members as *patterns
+        return cls(*kwargs.get("patterns", ()))
+    return cls(**kwargs)
+
+
+def _depth_error(what: str, depth: int) -> ValueError:
+    return ValueError(f"{what} would nest {depth} levels of |, & and PerHead, more than MAX_DEPTH={MAX_DEPTH}; "
+                      f"combine the members of one operator once instead of nesting them: sa.Union(*members) or "
+                      f"sa.Intersection(*members) (a chain of one operator is flattened and counts as one level), "
+                      f"and factor shared terms: (a & m) | (b & m) == (a | b) & m")
+
+
 def _check_pattern(name: str, value) -> None:
     if not isinstance(value, Pattern):
         raise TypeError(f"{name} must be a sparse_attn Pattern, got {type(value).__name__}: {value!r}")
 
 
 def _check_lengths(n_q: int, n_k: int | None) -> tuple[int, int]:
-    _check_int("n_q", n_q, 1)
-    n_k = n_q if n_k is None else n_k
-    _check_int("n_k", n_k, 1)
-    return int(n_q), int(n_k)
+    n_q = _check_int("n_q", n_q, 1, MAX_LENGTH)
+    return n_q, n_q if n_k is None else _check_int("n_k", n_k, 1, MAX_LENGTH)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,16 +338,24 @@ class Local(Pattern):
     block_size: int = 1
 
     def __post_init__(self):
-        _check_int("Local before", self.before, 0)
+        _set_int(self, "before", 0)
         if self.after is None:
             object.__setattr__(self, "after", self.before)
-        _check_int("Local after", self.after, 0)
-        _check_int("Local block_size", self.block_size, 1)
+        _set_int(self, "after", 0)
+        _set_int(self, "block_size", 1)
 
     def __repr__(self) -> str:
         args = [repr(self.before)] + ([repr(self.after)] if self.after != self.before else [])
         args += [f"block_size={self.block_size}"] if self.block_size != 1 else []
         return f"Local({', '.join(args)})"
+
+    def _resolve(self, ctx):
+        """Clamped to the context: a block of ``span`` positions already holds them all (every
+        ``i // u`` is 0, or -1 before position 0), and no two positions are more than
+        ``span // u + 1`` blocks apart."""
+        u = min(self.block_size, ctx.span)
+        reach = ctx.span // u + 1
+        return Local(min(self.before, reach), min(self.after, reach), u)
 
     def _allows(self, i, j, ctx):
         u = self.block_size
@@ -336,9 +396,18 @@ class Stride(Pattern):
     offset: int = 0
 
     def __post_init__(self):
-        _check_int("Stride stride", self.stride, 1)
-        if isinstance(self.offset, bool) or not isinstance(self.offset, (int, np.integer)):
-            raise TypeError(f"Stride offset must be an int, got {self.offset!r}")
+        _set_int(self, "stride", 1)
+        _set_int(self, "offset")
+
+    def _resolve(self, ctx):
+        """Clamped to the context: only differences ``i - j`` in (-span, span) occur, so the offset
+        counts modulo the stride, and a stride of at least 2 * span allows one difference at most,
+        which a stride of 2 * span keeps (offset ``span`` when none occurs)."""
+        stride, offset, span = self.stride, self.offset % self.stride, ctx.span
+        if stride <= 2 * span:
+            return Stride(stride, offset)
+        allowed = offset if offset < span else offset - stride if offset - stride > -span else span
+        return Stride(2 * span, allowed % (2 * span))
 
     def _allows(self, i, j, ctx):
         return (i - j - self.offset) % self.stride == 0
@@ -359,16 +428,17 @@ class Dilated(Pattern):
     """
 
     _type: ClassVar[str] = "dilated"
+    _depth: ClassVar[int] = 1  # it resolves to Local & Stride
     before: int
     dilation: int
     after: int | None = None
 
     def __post_init__(self):
-        _check_int("Dilated before", self.before, 0)
-        _check_int("Dilated dilation", self.dilation, 1)
+        _set_int(self, "before", 0)
+        _set_int(self, "dilation", 1)
         if self.after is None:
             object.__setattr__(self, "after", self.before)
-        _check_int("Dilated after", self.after, 0)
+        _set_int(self, "after", 0)
 
     def _resolve(self, ctx):
         d = self.dilation
@@ -396,8 +466,8 @@ class Global(Pattern):
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", _check_tokens("Global tokens", self.tokens))
-        _check_int("Global first", self.first, 0)
-        _check_int("Global last", self.last, 0)
+        _set_int(self, "first", 0)
+        _set_int(self, "last", 0)
 
     def _resolve(self, ctx):
         n = ctx.n_k
@@ -430,9 +500,9 @@ class Sink(Pattern):
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", _check_tokens("Sink tokens", self.tokens))
-        _check_int("Sink first", self.first, 0)
-        _check_int("Sink period", self.period, 0)
-        _check_int("Sink width", self.width, 1)
+        _set_int(self, "first", 0)
+        _set_int(self, "period", 0)
+        _set_int(self, "width", 1)
         if self.period and self.width > self.period:
             raise ValueError(f"Sink width must be <= period, got width={self.width}, period={self.period}")
 
@@ -440,11 +510,14 @@ class Sink(Pattern):
         n = ctx.n_k
         parts = [np.asarray([t for t in self.tokens if t < n], dtype=np.int64),
                  np.arange(min(self.first, n), dtype=np.int64)]
-        if self.period:
-            starts = np.arange(0, n, self.period, dtype=np.int64) + self.period - self.width
-            parts.append((starts[:, None] + np.arange(self.width)).reshape(-1))
-        cols = np.unique(np.concatenate(parts))
-        return _TokenGlobal(np.zeros(0, dtype=np.int64), cols[cols < n])
+        if self.period and self.period - self.width < n:
+            # period p: columns [s + p - width, s + p) of every period start s, cut at n
+            step = min(self.period, n)
+            starts = np.arange(0, n, step, dtype=np.int64)
+            first = starts + (self.period - self.width)
+            last = np.minimum(starts + step, n) - 1
+            parts.append(_ranges_to_keys(np.zeros_like(starts), first, last, 0))
+        return _TokenGlobal(np.zeros(0, dtype=np.int64), np.unique(np.concatenate(parts)))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -497,9 +570,9 @@ class Random(Pattern):
     block_size: int = 64
 
     def __post_init__(self):
-        _check_int("Random blocks", self.blocks, 0)
-        _check_int("Random seed", self.seed, 0)
-        _check_int("Random block_size", self.block_size, 1)
+        _set_int(self, "blocks", 0)
+        _set_int(self, "seed", 0)
+        _set_int(self, "block_size", 1)
 
     @property
     def head_dependent(self) -> bool:
@@ -514,7 +587,7 @@ class Random(Pattern):
         A tile row's picks depend on that row alone, so only the rows holding a query are picked: a
         decode step (n_q = 1) costs one row, and sees the tiles the full sequence's last row sees.
         """
-        u = self.block_size
+        u = min(self.block_size, ctx.n_k)  # a wider tile is the same single tile over every key
         n_qt = n_kt = _n_blocks(ctx.n_k, u)
         first = max(ctx.n_k - ctx.n_q, 0) // u  # the tile row of the first query position
         rows_ctx = _Ctx(ctx.n_k - first * u, ctx.n_k, ctx.head)  # bottom-right aligned: block row r = tile first + r
@@ -553,6 +626,15 @@ def _hash(seed: int, head: int, rows: np.ndarray, t: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # Combinators
 # ------------------------------------------------------------------------------------------------
+def _set_members(node: Pattern, members: tuple[Pattern, ...], limit: int | None = MAX_DEPTH) -> None:
+    """Store a combinator's members and its depth, refusing more than ``limit`` levels."""
+    depth = 1 + max(p._depth for p in members)
+    if limit is not None and depth > limit:
+        raise _depth_error(f"this {type(node).__name__}", depth)
+    object.__setattr__(node, "patterns", members)
+    object.__setattr__(node, "_depth", depth)
+
+
 def _flatten(cls, patterns) -> tuple[Pattern, ...]:
     flat = []
     for p in patterns:
@@ -569,7 +651,7 @@ class _Combination(Pattern):
         flat = _flatten(type(self), patterns)
         if len(flat) < 1:
             raise ValueError(f"{type(self).__name__} needs at least one pattern")
-        object.__setattr__(self, "patterns", flat)
+        _set_members(self, flat)
 
     def __repr__(self) -> str:
         parts = [f"({p!r})" if isinstance(p, _Combination) else repr(p) for p in self.patterns]
@@ -672,7 +754,7 @@ class PerHead(Pattern):
             raise ValueError("PerHead needs a non-empty list of patterns, one per query head")
         for p in patterns:
             _check_pattern("every member of PerHead", p)
-        object.__setattr__(self, "patterns", patterns)
+        _set_members(self, patterns)
 
     def __repr__(self) -> str:
         return f"PerHead({list(self.patterns)!r})"
@@ -752,14 +834,25 @@ class _RandomTiles(Pattern):
         u, n_kt = self.u, self.n_kt
         r0, r1, c0, c1 = b.i0 // u, b.i1 // u, b.j0 // u, b.j1 // u
         count = np.zeros(b.i0.shape, dtype=np.int64)
-        bits = [b.i0 % u, b.j0 % u]
         for dr in range(int((r1 - r0).max(initial=0)) + 1):
-            row_ok = r0 + dr <= r1
-            count += np.where(row_ok, _count_in(self.chosen, (r0 + dr) * n_kt + c0, (r0 + dr) * n_kt + c1), 0)
-            for dc in range(int((c1 - c0).max(initial=0)) + 1):
-                bits.append(row_ok & (c0 + dc <= c1) & _member(self.chosen, (r0 + dr) * n_kt + c0 + dc))
+            row = np.where(r0 + dr <= r1, (r0 + dr) * n_kt, -1 - n_kt)  # rows past r1 count nothing
+            count += _count_in(self.chosen, row + c0, row + c1)
         area = (r1 - r0 + 1) * (c1 - c0 + 1)
-        return count > 0, count == area, np.stack(bits, axis=1).astype(np.int64)
+        return count > 0, count == area, self._signature(b, r0, r1, c0, c1)
+
+    def _signature(self, b, r0, r1, c0, c1):
+        """Blocks within 2 x 2 tiles (tiles at least as large as blocks): the block's offset in its
+        tile and which of its tiles are chosen. Blocks over more tiles keep a tile of their own (the
+        block's position): random tiles rarely repeat there, and bits would cost (block / u)^2 each."""
+        rows, cols = int((r1 - r0).max(initial=0)) + 1, int((c1 - c0).max(initial=0)) + 1
+        if rows * cols > 4:
+            return np.stack([b.i0, b.j0], axis=1)
+        bits = [b.i0 % self.u, b.j0 % self.u]
+        for dr in range(rows):
+            for dc in range(cols):
+                inside = (r0 + dr <= r1) & (c0 + dc <= c1)
+                bits.append(inside & _member(self.chosen, (r0 + dr) * self.n_kt + c0 + dc))
+        return np.stack(bits, axis=1).astype(np.int64)
 
     def _candidates(self, ctx, block_size):
         u, n_kb = self.u, _n_blocks(ctx.n_k, block_size)
@@ -775,6 +868,24 @@ class _RandomTiles(Pattern):
                 c = np.minimum((tile_c * u) // block_size + dc, (np.minimum(tile_c * u + u, ctx.n_k) - 1) // block_size)
                 keys.append(r * n_kb + c)
         return np.unique(np.concatenate(keys))
+
+
+def with_call_data(rule: Pattern, global_positions: np.ndarray | None = None, causal: bool = False,
+                   padding: np.ndarray | None = None) -> Pattern:
+    """A resolved rule with one example's call-time data: ``((rule | global tokens) & causal) & ~padding``.
+
+    These are the library's own levels, at most two on top of a pattern's: MAX_DEPTH does not count them.
+    """
+    if global_positions is not None:
+        rule = _combine_unlimited(Union, rule, _TokenGlobal(global_positions, global_positions))
+    narrowing = ([Causal()] if causal else []) + ([_KeyPadding(padding)] if padding is not None else [])
+    return _combine_unlimited(Intersection, rule, *narrowing) if narrowing else rule
+
+
+def _combine_unlimited(cls: type[_Combination], *patterns: Pattern) -> _Combination:
+    node = object.__new__(cls)
+    _set_members(node, _flatten(cls, patterns), limit=None)
+    return node
 
 
 # ------------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
         row with no allowed key is empty (all zero).
     """
     batch, heads, n_q, head_dim = check_inputs(q, k)
+    if q.device.type == "meta":
+        raise ValueError("attention_weights returns probabilities, which meta tensors do not have; call it with "
+                         "tensors that hold values (sparse_attention propagates meta shapes)")
     n_k = k.shape[2]
     layout = resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask)
     scale = resolve_scale(scale, head_dim)
@@ -55,7 +58,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     q, k = q.detach().to(compute), k.detach().to(compute)
     group = heads // k.shape[1]
     layout = layout.to(q.device)
-    bs = layout.block_size
+    bs = layout.tile_shape[0]                                       # query rows per block
     rows_per_chunk = max(1, _SCORES_PER_CHUNK // (bs * n_k))
     parts = [[[] for _ in range(heads)] for _ in range(batch)]      # per (b, h): (row counts, cols, values)
     for r0 in range(0, layout.n_q_blocks, rows_per_chunk):

@@ -31,7 +31,7 @@ def call(*args, **kwargs):
     (lambda: call(*tensors(), "local"), TypeError, "pattern must be a sparse_attn Pattern or BlockLayout, got str"),
     (lambda: call(*tensors(), sa.Local(1), backend="cuda"), ValueError,
      r"backend must be one of \['auto', 'reference', 'numba', 'triton'\], got 'cuda'"),
-    (lambda: call(*tensors(), sa.Local(1), scale=-1.0), ValueError, "scale must be a positive float, got -1.0"),
+    (lambda: call(*tensors(), sa.Local(1), scale=-1.0), ValueError, "scale must be a finite positive float, got -1.0"),
     (lambda: call(*tensors(), sa.Local(1), key_padding_mask=torch.zeros(2, 32)), TypeError,
      r"key_padding_mask must be a torch.bool tensor of shape \(2, 32\), got torch.float32; convert with .bool\(\)"),
     (lambda: call(*tensors(), sa.Local(1), key_padding_mask=torch.zeros(3, 32, dtype=torch.bool)), ValueError,

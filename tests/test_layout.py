@@ -51,6 +51,7 @@ def check_blocks_exact(layout, expected):
     """Full blocks all allowed, partial blocks neither empty nor full, absent blocks empty; the
     transposed index lists the same blocks and tiles."""
     bs, n_qb, n_kb = layout.block_size, layout.n_q_blocks, layout.n_k_blocks
+    assert layout.masks.shape[1:] == (min(bs, layout.n_q), min(bs, layout.n_k))
     padded = torch.zeros(*expected.shape[:2], n_qb * bs, n_kb * bs, dtype=torch.bool)
     padded[..., :layout.n_q, :layout.n_k] = expected
     tiles = padded.reshape(*expected.shape[:2], n_qb, bs, n_kb, bs).transpose(3, 4)  # (B, H, r, c, bs, bs)
@@ -77,7 +78,8 @@ def check_blocks_exact(layout, expected):
                         tile = -1 if tile_ids is None else int(tile_ids[e])
                         by_row.add((r, c, tile))
                         if tile >= 0:
-                            assert torch.equal(layout.masks[tile], tiles[b, h, r, c]), "partial tile not exact"
+                            tq, tk = layout.masks.shape[1:]                # block_size, or the sequence if shorter
+                            assert torch.equal(layout.masks[tile], tiles[b, h, r, c, :tq, :tk]), "partial tile not exact"
                 for c in range(n_kb):
                     for e in range(int(t_ptr[b, hl, c]), int(t_ptr[b, hl, c + 1])):
                         by_col.add((int(t_idx[e]), c, -1 if t_tiles is None else int(t_tiles[e])))
@@ -192,7 +194,7 @@ def test_to_block_mask_matches_layout():
 def test_layout_validation():
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         sa.Local(1).layout(16, block_size=0)
-    with pytest.raises(ValueError, match=r"global_mask must have shape \(batch, 16\), got \(2, 15\)"):
+    with pytest.raises(ValueError, match=r"global_mask must have shape \(batch, 16\) with batch >= 1, got \(2, 15\)"):
         sa.Local(1).layout(16, global_mask=torch.zeros(2, 15, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
         sa.Local(1).layout(16, key_padding_mask=torch.zeros(2, 16))

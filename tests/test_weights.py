@@ -78,7 +78,7 @@ def test_long_sparse_input_stores_only_the_allowed_pairs():
      r"q must have shape \(batch, heads, seq_len, head_dim\), got \(2, 8, 4\)"),
     (lambda q, k: sa.attention_weights(q, k[:, :, :, :2], sa.Local(1)), ValueError, "k must have batch 1 and head_dim 4"),
     (lambda q, k: sa.attention_weights(q, k, "local"), TypeError, "pattern must be a sparse_attn Pattern"),
-    (lambda q, k: sa.attention_weights(q, k, sa.Local(1), scale=0), ValueError, "scale must be a positive float"),
+    (lambda q, k: sa.attention_weights(q, k, sa.Local(1), scale=0), ValueError, "scale must be a finite positive float"),
     (lambda q, k: sa.attention_weights(q, k, sa.Local(1).layout(8, heads=2), causal=True), ValueError,
      "part of a prebuilt BlockLayout"),
     (lambda q, k: sa.attention_weights(q, k, sa.Local(1), key_padding_mask=torch.zeros(1, 8)), TypeError,

@@ -27,7 +27,7 @@ def attention(q, k, v, layout: BlockLayout, scale: float):
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     batch, heads, n_q, _ = q.shape
-    bs = layout.block_size
+    bs = layout.tile_shape[0]  # query rows per block: block_size, or n_q when shorter
     rows_per_chunk = max(1, _SCORES_PER_CHUNK // (batch * heads * bs * layout.n_k))
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []

@@ -9,7 +9,8 @@ The kernels follow Triton's fused-attention tutorial; what changes is *which* ke
 block visits. A ``BlockLayout`` lists them per (example, head, query block) as two CSR indices:
 **full** blocks (every pair allowed: no mask at all) and **partial** blocks (a (BLOCK, BLOCK) bool
 tile from ``layout.masks``, already False outside the sequence). Tiles are BLOCK x BLOCK with
-BLOCK = ``layout.block_size``; scores never leave on-chip memory, so memory is O(N), not O(N^2).
+BLOCK = ``layout.block_size`` (a sequence shorter than a block has smaller tiles, padded with False
+on the host); scores never leave on-chip memory, so memory is O(N), not O(N^2).
 
 Forward, one program per (query block, batch x head):
     for each key block c of the row (full blocks, then partial ones):
@@ -547,5 +548,16 @@ def check(q, k, v, layout: BlockLayout) -> None:
 def attention(q, k, v, layout: BlockLayout, scale: float):
     """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
     index = [getattr(layout, name) for name in BlockLayout._TENSORS]  # the order the custom ops take them
-    index[BlockLayout._TENSORS.index("masks")] = layout.masks.view(torch.uint8)  # (n_masks, bs, bs): bytes load everywhere
+    index[BlockLayout._TENSORS.index("masks")] = _block_tiles(layout).view(torch.uint8)  # bytes load everywhere
     return _forward_op(q, k, v, index, layout.block_size, scale)
+
+
+def _block_tiles(layout: BlockLayout) -> torch.Tensor:
+    """``layout.masks`` as the (n_masks, BLOCK, BLOCK) tiles the kernels load: a sequence shorter than a
+    block has tiles of its own size, padded here with False (at most 128 x 128 each)."""
+    bs, masks = layout.block_size, layout.masks
+    if masks.shape[1:] == (bs, bs):
+        return masks
+    padded = torch.zeros(masks.shape[0], bs, bs, dtype=torch.bool, device=masks.device)
+    padded[:, :masks.shape[1], :masks.shape[2]] = masks
+    return padded
