@@ -1,0 +1,142 @@
+"""Every ```python block of README.md and docs/*.md runs as written.
+
+Each file's blocks run in order in one namespace (a later block may use what an earlier one defined),
+in a temporary working directory, so nothing is written into the checkout. A block that needs a CUDA
+GPU or the network is marked in the markdown by an HTML comment on the line before its fence,
+``<!-- skip: needs a CUDA GPU -->``, and reported here as skipped with that reason. A block that
+imports an optional dependency that is not installed (transformers, triton, matplotlib) is skipped
+with the install command.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^(?P<indent> *)```(?P<language>[\w+-]*)\s*$")
+SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>.+?)\s*-->\s*$")
+EXTRAS = {"transformers": "hf", "triton": "triton", "matplotlib": "viz"}
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int              # line of the opening fence, 1-based
+    source: str
+    skip: str | None       # the reason from a <!-- skip: ... --> marker
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def python_blocks(path: Path) -> list[Block]:
+    """The ```python blocks of a markdown file, dedented by their fence's indentation."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, opened, previous = [], None, ""       # opened: (fence line, indent, language, skip reason)
+    for number, line in enumerate(lines, 1):
+        fence = FENCE.match(line)
+        if fence and opened is None:
+            marker = SKIP.match(previous)
+            opened = (number, fence["indent"], fence["language"], marker["reason"] if marker else None)
+        elif fence and not fence["language"]:
+            start, indent, language, skip = opened
+            if language == "python":
+                body = [text.removeprefix(indent) for text in lines[start:number - 1]]
+                blocks.append(Block(path, start, "\n".join(body) + "\n", skip))
+            opened = None
+        if line.strip():
+            previous = line
+    return blocks
+
+
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
+
+
+@dataclass
+class _File:
+    """One markdown file's run: its namespace, working directory and progress."""
+    workdir: Path
+    namespace: dict = field(default_factory=lambda: {"__name__": "__docs__"})
+    done: int = 0                      # blocks of this file attempted so far
+    stopped: str | None = None         # why later blocks cannot run (an earlier one failed or was skipped)
+
+
+_FILES: dict[Path, _File] = {}
+
+
+@pytest.fixture(autouse=True)
+def _headless_matplotlib(monkeypatch):
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+
+
+def _run(block: Block, state: _File) -> None:
+    """Run one block in the file's namespace and directory; skip if an optional dependency is missing."""
+    state.done += 1
+    if block.skip is not None:
+        pytest.skip(f"{block}: {block.skip}")
+    if state.stopped is not None:
+        pytest.skip(state.stopped)
+    cwd = Path.cwd()
+    os.chdir(state.workdir)
+    try:
+        exec(compile(block.source, str(block), "exec"), state.namespace)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in EXTRAS or importlib.util.find_spec(missing) is not None:
+            state.stopped = f"an earlier block failed: {block}"
+            raise
+        state.stopped = f"an earlier block needs {missing}: {block}"
+        pytest.skip(f"{block}: needs {missing}: pip install \".[{EXTRAS[missing]}]\"")
+    except BaseException:
+        state.stopped = f"an earlier block failed: {block}"
+        raise
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_block_runs(block: Block, tmp_path_factory):
+    state = _FILES.setdefault(block.path, _File(tmp_path_factory.mktemp(block.path.stem)))
+    same_file = [b for b in BLOCKS if b.path == block.path]
+    for earlier in same_file[state.done:same_file.index(block)]:   # not run yet when tests are selected
+        try:
+            _run(earlier, state)
+        except (Exception, pytest.skip.Exception):
+            pass                                                    # reported by its own test; state.stopped says
+    _run(block, state)
+
+
+def test_blocks_are_found():
+    assert {block.path.name for block in BLOCKS} >= {"README.md", "integrations.md", "choosing-patterns.md"}
+
+
+def test_parser_reads_indented_blocks_and_skip_markers(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("""Text.
+
+```bash
+echo not python
+```
+
+1. In a list:
+
+   ```python
+   x = 1
+   if x:
+       y = 2
+   ```
+
+<!-- skip: needs a CUDA GPU -->
+```python
+torch.zeros(1, device="cuda")
+```
+""")
+    first, second = python_blocks(page)
+    assert (first.line, first.source, first.skip) == (9, "x = 1\nif x:\n    y = 2\n", None)
+    assert (second.line, second.skip) == (16, "needs a CUDA GPU")
