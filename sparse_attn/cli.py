@@ -256,11 +256,14 @@ def cmd_patterns(args) -> None:
 def cmd_show(args) -> None:
     pattern, file_heads = parse_pattern(args.pattern)
     n_heads = args.num_heads or file_heads or per_head_count(pattern) or (max(args.heads) + 1 if args.heads else 1)
-    heads = args.heads or list(range(min(n_heads, 4)))
+    heads = list(dict.fromkeys(args.heads or range(min(n_heads, 4))))
     if max(heads) >= n_heads:
         raise UsageError(f"--heads {','.join(map(str, heads))} needs head indices below the pattern's "
                          f"{n_heads} heads; pass --num-heads")
     if args.out:
+        if len(heads) > _FIGURE_HEADS:
+            raise UsageError(f"--heads: a figure draws at most {_FIGURE_HEADS} heads, got {len(heads)}; "
+                             f"write several figures")
         _check_figure_path(args.out)
     try:
         layout = pattern.layout(args.seq_len, heads=n_heads, block_size=args.block_size)
@@ -382,6 +385,7 @@ def _bounded(maximum: float):
     return number
 
 
+_FIGURE_HEADS = 16        # show --out: one column per head
 _TIMEOUT_MAX = 1e6        # seconds (11 days): subprocess waits overflow past about 2e6 s
 _MEMORY_LIMIT_MAX = 1e6   # GB: RLIMIT_AS is a 64-bit byte count
 
@@ -404,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                       f"file or an expression")
     show.add_argument("--seq-len", type=_count, required=True, metavar="N", help="sequence length, e.g. 4096 or 4k "
                       "(required)")
-    show.add_argument("--heads", type=_head_list, metavar="0,1,...", help="heads to draw (default: the first 4)")
+    show.add_argument("--heads", type=_head_list, metavar="0,1,...", help=f"heads to draw, at most "
+                      f"{_FIGURE_HEADS} (default: the first 4)")
     show.add_argument("--num-heads", type=_count, metavar="H", help="heads of the layout (default: the preset "
                       "file's, else a PerHead's length, else enough for --heads, else 1)")
     show.add_argument("--block-size", type=_count, default=64, metavar="B", help="block size (default 64)")

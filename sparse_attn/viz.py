@@ -111,7 +111,7 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
     n_q, n_k = coo.shape
     if tokens is not None and len(tokens) != n_k:
         raise ValueError(f"tokens must have one label per key ({n_k}), got {len(tokens)}")
-    figure = ax.figure if ax is not None else plt.figure(figsize=(6, 5.2))
+    figure = ax.figure if ax is not None else plt.figure(figsize=(6, 5.2), layout="constrained")
     ax = ax if ax is not None else figure.add_subplot()
     labelled = max(n_q, n_k) <= _LABELLED_TOKENS
     if labelled:
@@ -131,7 +131,7 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
     ax.set_xlabel("key" + (" token" if labelled and tokens is not None else " position"))
     ax.set_ylabel("query" + (" token" if labelled and tokens is not None else " position"))
     ax.set_title(title or f"attention probabilities ({coo.nnz:,} allowed pairs; blank = not allowed)", fontsize=9)
-    figure.colorbar(shown, ax=ax, fraction=0.046, pad=0.04).set_label("attention probability")
+    figure.colorbar(shown, ax=ax, shrink=0.9).set_label("attention probability")
     return figure
 
 

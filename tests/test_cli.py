@@ -378,6 +378,8 @@ _PATTERNS_TOO_DEEP = "(" * 300 + "Local(1)" + ")" * 300
     (["show", "Local(4)", "--seq-len", "64", "--heads", "-1"], "expected head indices >= 0"),
     (["show", "Local(4)", "--seq-len", "64", "--heads", "4", "--num-heads", "2"], "needs head indices below"),
     (["show", "dilated-longformer", "--seq-len", "64", "--heads", "12"], "below the pattern's 12 heads"),
+    (["show", "Local(4)", "--seq-len", "64", "--heads", ",".join(map(str, range(17))), "--out", "x.png"],
+     "a figure draws at most 16 heads, got 17"),
     (["show", "missing.toml", "--seq-len", "64"], "no pattern file at missing.toml"),
     (["show", "Local(4)", "--seq-len", "64", "--out", "fig.xyz"], "expected a file name ending in a figure format"),
     (["show", "Local(4)", "--seq-len", "64", "--out", "fig"], "expected a file name ending in a figure format"),

@@ -50,6 +50,8 @@ def test_plot_attention_short_and_long(n, tmp_path):
     assert colorbar.get_ylabel() == "attention probability"
     assert figure.axes[0].get_xlabel() in ("key token", "key position")
     assert figure.axes[0].get_ylabel() in ("query token", "query position")
+    assert all(_inside(figure, artist) for artist in (figure.axes[0].xaxis.label, figure.axes[0].yaxis.label,
+                                                      figure.axes[0].title, colorbar.yaxis.label))
     figure.savefig(tmp_path / "attention.png")
     with pytest.raises(ValueError, match=r"tokens must have one label per key \(%d\), got 1" % n):
         viz.plot_attention(weights, tokens=["x"])
