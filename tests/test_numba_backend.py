@@ -1,6 +1,11 @@
 """The Numba CPU backend against the reference backend: values, lse and gradients."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -222,11 +227,59 @@ def test_pattern_argument_uses_block_size_64(monkeypatch):
 
 
 def test_non_cpu_tensors_are_refused():
-    q = torch.empty(1, 1, 64, 16, device="meta")
-    with pytest.raises(ValueError, match="backend='numba' runs on CPU tensors.*backend='triton'.*cpu()"):
-        sparse_attention(q, q, q, sa.Local(4), backend="numba")
+    q = torch.empty(1, 1, 64, 16, device="meta")  # sparse_attention answers meta tensors before any backend
+    with pytest.raises(ValueError, match=r"backend='numba' runs on CPU tensors.*backend='triton'.*\.cpu\(\)"):
+        numba_cpu.check(q, q, q, sa.Local(4).layout(64))
 
 
 def test_available():
     ok, reason = numba_cpu.available()
     assert ok and "numba" in reason
+
+
+_CONCURRENT_CALLS = r"""
+import json, threading
+import numba, torch, sparse_attn as sa
+from sparse_attn.api import sparse_attention
+from sparse_attn.backends import numba_cpu
+
+def run(q, k, v):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = sparse_attention(q, k, v, layout, backend="numba")
+    return [out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))]
+
+layout = (sa.Local(32) | sa.Global(first=2)).layout(700, heads=4, block_size=64)
+gen = torch.Generator().manual_seed(0)
+inputs = [[torch.randn(1, 4, 700, 32, generator=gen) for _ in range(3)] for _ in range(6)]
+blas = numba_cpu._scipy_openblas()
+if blas is not None:
+    blas.scipy_openblas_set_num_threads(2)
+expected = [run(*x) for x in inputs]
+results = {}
+threads = [threading.Thread(target=lambda i=i: results.update({i: [run(*inputs[i]) for _ in range(4)]}))
+           for i in range(len(inputs))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+equal = all(torch.equal(a, b) for i, want in enumerate(expected) for got in results[i] for a, b in zip(got, want))
+print(json.dumps({"equal": equal, "layer": numba.threading_layer(),
+                  "blas_threads": None if blas is None else blas.scipy_openblas_get_num_threads()}))
+"""
+
+
+@pytest.mark.parametrize("layer", ["default", "workqueue"])
+def test_calls_from_several_threads(layer):
+    """Six threads running forward + backward at once get the single-threaded results; scipy's
+    OpenBLAS thread count is restored exactly and it never warns about OpenMP loops (its warning
+    is printed by C code: a subprocess captures it); the workqueue layer, which aborts the process
+    on concurrent launches, runs the calls one at a time."""
+    env = dict(os.environ, NUMBA_THREADING_LAYER=layer)
+    run = subprocess.run([sys.executable, "-c", _CONCURRENT_CALLS], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "OpenBLAS Warning" not in run.stderr, run.stderr[-2000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["equal"]
+    assert report["blas_threads"] in (2, None)
+    assert layer == "default" or report["layer"] == layer

@@ -73,6 +73,7 @@ import functools
 import glob
 import math
 import os
+import threading
 
 import numba
 import numpy as np
@@ -138,20 +139,58 @@ def _scipy_openblas():
     return None
 
 
-@contextlib.contextmanager
-def _single_threaded_blas():
-    """The kernels call BLAS from every worker thread: a BLAS that also threads each call would
-    oversubscribe the cores (and OpenBLAS warns about OpenMP loops), so it runs on one thread."""
-    lib = _scipy_openblas()
-    if lib is None:
-        yield
-        return
-    previous = lib.scipy_openblas_get_num_threads()
-    lib.scipy_openblas_set_num_threads(1)
+def _layer_is_threadsafe() -> bool:
+    """Whether Numba's threading layer takes parallel launches from several threads at once: omp
+    and tbb do; workqueue aborts the process; before the first launch the layer is not chosen yet."""
     try:
-        yield
-    finally:
-        lib.scipy_openblas_set_num_threads(previous)
+        return numba.threading_layer() != "workqueue"
+    except ValueError:                                   # no parallel launch yet
+        return False
+
+
+class _KernelSection:
+    """``with _KERNELS.running():`` around the parallel kernels of one call; safe from several threads.
+
+    - The kernels call BLAS from every worker thread: a BLAS that also threads each call would
+      oversubscribe the cores (and OpenBLAS warns "Detect OpenMP Loop"), so scipy's OpenBLAS runs
+      on one thread while any call is inside. Its thread count is process-wide: the first call in
+      saves it and sets 1, the last one out restores it (a count under a lock).
+    - Numba's workqueue threading layer aborts the process when two threads launch parallel
+      kernels at once: under it (and for the launch that picks the layer) calls run one at a time.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()                    # guards _inside and _blas_threads
+        self._inside = 0
+        self._blas_threads = 0
+        self._one_at_a_time = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self):
+        with contextlib.nullcontext() if _layer_is_threadsafe() else self._one_at_a_time:
+            self._enter()
+            try:
+                yield
+            finally:
+                self._leave()
+
+    def _enter(self):
+        lib = _scipy_openblas()
+        with self._lock:
+            if self._inside == 0 and lib is not None:
+                self._blas_threads = lib.scipy_openblas_get_num_threads()
+                lib.scipy_openblas_set_num_threads(1)
+            self._inside += 1
+
+    def _leave(self):
+        lib = _scipy_openblas()
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0 and lib is not None:
+                lib.scipy_openblas_set_num_threads(self._blas_threads)
+
+
+_KERNELS = _KernelSection()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,7 +207,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)                                                    # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3])                                               # (B, Hq, Nq)
     order = _heaviest_first(_task_costs(full_ptr, part_ptr, q.shape[0], q.shape[1]))
-    with _single_threaded_blas():
+    with _KERNELS.running():
         _forward(q.numpy(), k.numpy(), v.numpy(), full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(),
                  part_idx.numpy(), part_mask.numpy(), masks.numpy(), _tile_spans(masks, 1), order,
                  numba.get_num_threads(), block_size,
@@ -200,15 +239,16 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq_parts = q.new_empty((workers - 1, *q.shape))                              # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
-    _delta_lse2(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.contiguous().view(rows).numpy(),
-                dlse.contiguous().view(rows).numpy(), _as(q, _LOG2E), delta.view(rows).numpy(), lse2.view(rows).numpy())
-    with _single_threaded_blas():
+    with _KERNELS.running():
+        _delta_lse2(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.contiguous().view(rows).numpy(),
+                    dlse.contiguous().view(rows).numpy(), _as(q, _LOG2E), delta.view(rows).numpy(),
+                    lse2.view(rows).numpy())
         _backward_kernel(q.numpy(), k.numpy(), v.numpy(), dout.numpy(), lse2.numpy(), delta.numpy(),
                          full_t_ptr.numpy(), full_t_idx.numpy(), part_t_ptr.numpy(), part_t_idx.numpy(),
                          part_t_mask.numpy(), masks.numpy(), _tile_spans(masks, 0), ptr, tasks, block_size,
                          _panel_blocks(block_size),
                          _as(q, scale * _LOG2E), _as(q, scale), dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy())
-    _sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy())
+        _sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy())
     return dq, dk, dv
 
 
