@@ -24,6 +24,7 @@ import operator
 import os
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -98,6 +99,8 @@ def _parse_expression(text: str) -> Pattern:
     except (RecursionError, MemoryError):
         raise UsageError(f"pattern expression of {len(text):,} characters nests too deeply for Python's parser; "
                          f"write it to a .toml file with sa.save_pattern") from None
+    except UnicodeError:  # bytes that are not UTF-8 arrive as surrogates
+        raise UsageError(f"pattern {text!r} is not valid UTF-8 text") from None
     try:
         value = _evaluate(tree.body)
     except UsageError:
@@ -335,7 +338,7 @@ def cmd_bench(args) -> None:
                           block_size=args.block_size, backward=args.backward,
                           repeats=args.repeats or quick.get("repeats", 3),
                           timeout=args.timeout or quick.get("timeout", 120), memory_limit_gb=args.memory_limit_gb,
-                          device=device, command="sparse-attn " + " ".join(args.argv),
+                          device=device, command=_command_line(args.argv),
                           progress=not args.no_progress, out=args.out, unavailable=unavailable)
     for path in bench.write(results, args.out):
         print(f"wrote {path}")
@@ -455,6 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar (default: a tqdm bar on stderr)")
     bench.set_defaults(run=cmd_bench)
     return parser
+
+
+def _command_line(argv: list[str]) -> str:
+    """The command as a shell would take it back (quoted), undecodable bytes as escapes."""
+    return shlex.join(["sparse-attn", *argv]).encode("utf-8", "backslashreplace").decode()
 
 
 def _short(n: int) -> str:

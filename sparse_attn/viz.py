@@ -47,8 +47,12 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     from matplotlib.patches import Patch
 
     heads = list(range(min(layout.heads, 4))) if heads is None else list(heads)
+    if not heads:
+        raise ValueError("heads must name at least one head to draw, got none; e.g. heads=[0]")
     for h in heads:
         layout._check_example_head(batch, h)
+    if zoom is not None and (isinstance(zoom, bool) or not isinstance(zoom, int) or zoom < 1):
+        raise ValueError(f"zoom must be a number of tokens >= 1 (or None for 4 blocks), got {zoom!r}")
     zoom = min(zoom or 4 * layout.block_size, layout.n_q, layout.n_k)
     figure, axes = plt.subplots(2, len(heads), figsize=(max(3.2 * len(heads) + 0.6, 6.4), 6.8), squeeze=False,
                                 gridspec_kw={"height_ratios": [1, 1]})
@@ -106,6 +110,9 @@ def plot_attention(weights, tokens=None, title: str | None = None, ax=None):
     >>> w = sa.attention_weights(torch.randn(1, 1, 12, 8), torch.randn(1, 1, 12, 8), sa.Local(2))
     >>> fig = plot_attention(w[0][0], tokens="the cat sat on the mat and then it went to sleep".split())
     """
+    if not hasattr(weights, "tocoo"):
+        raise TypeError(f"weights must be a scipy sparse matrix (sa.attention_weights(...)[b][h]), got "
+                        f"{type(weights).__name__}")
     plt = _pyplot()
     coo = weights.tocoo()
     n_q, n_k = coo.shape

@@ -184,6 +184,12 @@ def test_bench_reports_unavailable_implementations_up_front(capsys, monkeypatch,
     assert markdown.count("Cells: time (s) / memory (MB)") == 1
 
 
+def test_the_recorded_command_line_can_be_pasted_back():
+    line = cli._command_line(["bench", "--patterns", "Local(1) | Dense()", "--out", "out\udcff"])
+    assert line == "sparse-attn bench --patterns 'Local(1) | Dense()' --out 'out\\udcff'"
+    line.encode("utf-8")                                               # results.md can be written
+
+
 def _flex_has_cpu_backward() -> bool:
     """The fact the benchmark relies on, checked directly: a tiny eager call with requires_grad."""
     import torch
@@ -368,6 +374,7 @@ _PATTERNS_TOO_DEEP = "(" * 300 + "Local(1)" + ")" * 300
     (["show", _PATTERNS_TOO_DEEP, "--seq-len", "64"], "too many nested parentheses"),
     (["show", "Local(-1)", "--seq-len", "64"], "Local before must be >= 0, got -1"),
     (["show", "Lòcal(1)", "--seq-len", "64"], "'Lòcal' is not a pattern constructor"),
+    (["show", "Local(1)\udcff", "--seq-len", "64"], "is not valid UTF-8 text"),      # the byte 0xff in argv
     (["show", "longformer", "--seq-len", "64"], "longformer must be called"),
     (["show", "../x", "--seq-len", "64"], "no pattern file at ../x"),
     (["show", "a" * 300 + ".toml", "--seq-len", "64"], "File name too long"),

@@ -19,6 +19,11 @@ def test_plot_layout_has_a_grid_and_a_zoom_per_head(tmp_path):
     assert (tmp_path / "layout.png").stat().st_size > 1000
     with pytest.raises(ValueError, match=r"head must be in \[0, 3\), got 5"):
         viz.plot_layout(layout, heads=[5])
+    with pytest.raises(ValueError, match="heads must name at least one head to draw, got none"):
+        viz.plot_layout(layout, heads=[])
+    for zoom in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match=f"zoom must be a number of tokens >= 1 .*, got {zoom!r}"):
+            viz.plot_layout(layout, zoom=zoom)
 
 
 def _inside(figure, artist) -> bool:
@@ -55,6 +60,8 @@ def test_plot_attention_short_and_long(n, tmp_path):
     figure.savefig(tmp_path / "attention.png")
     with pytest.raises(ValueError, match=r"tokens must have one label per key \(%d\), got 1" % n):
         viz.plot_attention(weights, tokens=["x"])
+    with pytest.raises(TypeError, match="weights must be a scipy sparse matrix .*, got Tensor"):
+        viz.plot_attention(torch.zeros(n, n))
 
 
 def test_plot_bench_marks_failures():
