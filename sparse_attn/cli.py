@@ -304,16 +304,16 @@ def bench_patterns(labels: list[str], num_heads: int) -> dict[str, Pattern]:
     return patterns
 
 
-def _check_bench_setup(args, implementations: list[str], device: str) -> None:
+def _check_bench_setup(args, implementations: list[str]) -> None:
     """What the sweep and the figures need, checked before the first point runs."""
+    import torch
+
     from . import bench
 
     unknown = [name for name in implementations if name not in bench.IMPLEMENTATIONS]
     if unknown:
         raise UsageError(f"unknown --backends {', '.join(unknown)}; choose from {', '.join(bench.IMPLEMENTATIONS)}")
-    if device == "cuda":
-        import torch
-
+    if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
     for module, why in (("matplotlib", "time.png and memory.png"), ("tqdm", "the progress bar (or pass --no-progress)")):
@@ -323,13 +323,15 @@ def _check_bench_setup(args, implementations: list[str], device: str) -> None:
 
 
 def cmd_bench(args) -> None:
+    import torch
+
     from . import bench
 
     quick = bench.QUICK if args.quick else {}
     patterns = bench_patterns(args.patterns or quick.get("patterns") or list(bench.PATTERNS), args.num_heads)
     implementations = args.backends or quick.get("backends") or bench.DEFAULT_IMPLEMENTATIONS
-    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
-    _check_bench_setup(args, implementations, device)
+    _check_bench_setup(args, implementations)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     unavailable = bench.unavailable_reasons(patterns, implementations, device, args.backward)
     for (label, name), reason in unavailable.items():
         print(f"n/a: {name} on {label}: {reason}")
