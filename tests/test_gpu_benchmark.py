@@ -11,6 +11,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import sparse_attn as sa
 
+# Triton runs on CPU tensors in its interpreter (tests/conftest.py), but it must be installed.
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
 _spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
 gk = importlib.util.module_from_spec(_spec)
@@ -205,6 +208,7 @@ def test_a_failing_point_is_a_row_not_a_crash():
         "flex", "bigbird-itc", 128, 2, 256, error="AssertionError: Torch not compiled with CUDA enabled")
 
 
+@needs_triton
 def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
     """Past recompile_limit shapes Dynamo would run flex_attention eagerly; compiled_flex resets its cache
     each time, and fullgraph=True would raise instead of falling back. Eager backend, CPU, interpreter."""
@@ -233,7 +237,8 @@ def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
 
 
 @pytest.mark.parametrize("impl, pattern, flops", [
-    ("triton", "longformer", 2 * (sa.Local(256) | sa.Global(first=16)).layout(80, heads=2).flops(16)),  # B=2
+    pytest.param("triton", "longformer", 2 * (sa.Local(256) | sa.Global(first=16)).layout(80, heads=2).flops(16),
+                 marks=needs_triton),                                                                    # B=2
     ("sdpa", "streaming-causal", 4 * 2 * 2 * 80 * 80 * 16 // 2)])            # dense, causal: half
 def test_a_point_fills_every_field_on_cpu(monkeypatch, impl, pattern, flops):
     """The whole measurement on CPU (triton in its interpreter): device, dtype and heads swapped, timers

@@ -13,7 +13,8 @@ import torch
 import sparse_attn as sa
 from sparse_attn import backends
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="4.54",
+                                   reason='needs transformers >= 4.54: pip install ".[hf]"')
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
                           BartConfig, BertConfig, BigBirdConfig, Gemma2Config, LlamaConfig, LongformerConfig,
                           MistralConfig, RobertaConfig, T5Config, T5EncoderModel)

@@ -259,7 +259,7 @@ _LONGFORMER_NAMES = {"q_proj": "query", "k_proj": "key", "v_proj": "value",
 
 
 def _longformer_pair(attention_window):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason='needs transformers: pip install ".[hf]"')
     from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
     torch.manual_seed(0)

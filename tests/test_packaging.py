@@ -24,3 +24,10 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_transformers_integration_docstring_examples():
+    pytest.importorskip("transformers", minversion="4.54", reason='needs transformers >= 4.54: pip install ".[hf]"')
+    module = importlib.import_module("sparse_attn.integrations.transformers")
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
 
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
