@@ -1,4 +1,5 @@
 """sparse_attention(): every bad input is a clear error naming the argument, the value and the fix."""
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +46,14 @@ def call(*args, **kwargs):
     (lambda: call(*tensors(), sa.Local(1).layout(32, heads=4), causal=True), ValueError,
      "causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout"),
     (lambda: call(*tensors(), sa.PerHead([sa.Local(1)] * 3)), ValueError, "PerHead has 3 patterns but heads=4"),
+    (lambda: call(*tensors(), sa.Local(1), scale=float("inf")), ValueError, "scale must be a finite positive float, got inf"),
+    (lambda: call(*tensors(), sa.Local(1), scale="0.5"), ValueError, "scale must be a finite positive float, got '0.5'"),
+    (lambda: call(torch.randn(2, 0, 32, 8), *tensors(kv_heads=1)[1:], sa.Local(1)), ValueError,
+     r"q and k need batch, heads, seq_len and head_dim >= 1, got q \(2, 0, 32, 8\)"),
+    (lambda: call(*tensors(), sa.Local(1), causal="yes"), TypeError, "causal must be a bool, got 'yes'"),
+    (lambda: call(*tensors(), sa.Local(1), return_lse=1), TypeError, r"return_lse must be a bool, got 1 \(int\)"),
+    (lambda: call(*tensors(), sa.Local(1), key_padding_mask=torch.zeros(2, 32, dtype=torch.bool, device="meta")),
+     ValueError, "key_padding_mask is a meta tensor: its values, which decide the layout, cannot be read"),
 ])
 def test_errors(make, error, message):
     with pytest.raises(error, match=message):
@@ -93,3 +102,40 @@ def test_import_does_not_load_dynamo_or_triton():
     import sys
     code = "import sys, sparse_attn; print(sorted(m for m in ('torch._dynamo', 'triton', 'numba') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba", "triton", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_meta_inputs_give_meta_outputs_with_the_right_shapes(backend, dtype):
+    """As torch's scaled_dot_product_attention: shapes, dtypes and an autograd graph, no values, no layout."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    q = torch.empty(2, 4, 5, 8, device="meta", dtype=dtype, requires_grad=True)
+    k = torch.empty(2, 2, 7, 8, device="meta", dtype=dtype, requires_grad=True)
+    padding = torch.empty(2, 7, device="meta", dtype=torch.bool)
+    out, lse = sa.sparse_attention(q, k, k, sa.Local(2) | sa.Random(1), key_padding_mask=padding, causal=True,
+                                   backend=backend, return_lse=True)
+    assert out.device.type == lse.device.type == "meta" and out.shape == q.shape and lse.shape == (2, 4, 5)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert sa.sparse_attention(q, k, k, sa.Local(2).layout(5, 7, heads=4), backend=backend).shape == q.shape
+
+
+def test_meta_inputs_are_still_checked():
+    q = torch.empty(2, 4, 16, 8, device="meta")
+    with pytest.raises(ValueError, match="PerHead has 3 patterns but heads=4"):
+        call(q, q, q, sa.PerHead([sa.Local(1)] * 3))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(2, 16\), got \(2, 15\)"):
+        call(q, q, q, sa.Local(1), key_padding_mask=torch.empty(2, 15, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="the BlockLayout was built for heads=2 but q has 4 heads"):
+        call(q, q, q, sa.Local(1).layout(16, heads=2))
+
+
+def test_numpy_values_where_torch_ones_are_expected():
+    q, k, v = tensors()
+    padding = np.zeros((2, 32), dtype=bool)
+    padding[1, 20:] = True
+    expected = call(q, k, v, sa.Local(4), key_padding_mask=torch.from_numpy(padding), causal=True, scale=0.25)
+    torch.testing.assert_close(call(q, k, v, sa.Local(np.int64(4)), key_padding_mask=padding, causal=np.bool_(True),
+                                    scale=np.float32(0.25)), expected)

@@ -1,4 +1,5 @@
 """BlockLayout agrees with the token mask exactly, at every size and block size, and scales."""
+import time
 import tracemalloc
 
 import numpy as np
@@ -8,6 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
+from sparse_attn import layout as layout_module
+from sparse_attn.pattern import MAX_LENGTH
+from tests.test_pattern import EXTREME_CASES, EXTREME_RANDOM, EXTREMES, N
 
 # --- random compositions ------------------------------------------------------------------------
 leaves = st.one_of(
@@ -92,7 +96,7 @@ def check_blocks_exact(layout, expected):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=patterns, n_q=st.integers(1, 70), n_k=st.integers(1, 70), heads=st.integers(1, 2),
-       block_size=st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
+       block_size=st.sampled_from([1, 2, 3, 4, 8, 16, 32, 64, 100]))
 def test_layout_agrees_with_mask(pattern, n_q, n_k, heads, block_size):
     check_layout_matches_mask(pattern, n_q, n_k, heads, block_size)
 
@@ -233,3 +237,180 @@ def test_union_and_intersection_laws(a, b, n_q, n_k):
     assert torch.equal((a & b).mask(n_q, n_k), ma & mb)
     assert torch.equal((b | a).mask(n_q, n_k), (a | b).mask(n_q, n_k))
     assert torch.equal((a & (a | b)).mask(n_q, n_k), ma)
+
+
+# --- extreme pattern arguments: layout and mask agree for every accepted value --------------------
+SHAPES = [(N, N, 4), (5, N, 4), (2 * N, N, 4), (N, N, 16), (N, 5, 64)]  # (n_q, n_k, block_size), some blocks > N
+
+
+@pytest.mark.parametrize("x", EXTREMES)
+def test_layout_agrees_with_mask_for_extreme_arguments(x):
+    leaves = [make(x) for make, _ in EXTREME_CASES] + [make(x) for make in EXTREME_RANDOM]
+    for index, leaf in enumerate(leaves):
+        for combined in (leaf, leaf | sa.Local(1), leaf & sa.Local(3), (leaf | sa.Random(1, block_size=4)) & sa.Causal(),
+                         sa.Stride(2, offset=1) | (leaf & sa.Global(first=2))):
+            n_q, n_k, block_size = SHAPES[index % len(SHAPES)]
+            check_layout_matches_mask(combined, n_q, n_k, 2, block_size)
+
+
+# --- block_size larger than the sequence: cost follows N -----------------------------------------
+@pytest.mark.parametrize("pattern, n, block_size", [
+    (sa.Random(1, block_size=2**16), 256, 64),
+    (sa.Local(1), 64, 20000),
+    (sa.Local(1, block_size=2**40) | sa.Random(2, block_size=2**70), 64, 2**70),
+    (sa.Random(1, block_size=1), 1024, 64),                            # random tiles much smaller than blocks
+    (sa.Sink(period=10**9, width=10**9 - 5) | sa.Global(last=2**62), 64, 16),
+])
+def test_huge_block_sizes_cost_what_the_sequence_needs(pattern, n, block_size):
+    tracemalloc.start()
+    start = time.perf_counter()
+    layout = pattern.layout(n, heads=2, block_size=block_size)
+    seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 1.0 and peak < 60e6, f"{seconds:.2f} s, {peak / 1e6:.0f} MB"
+    assert layout.block_size == block_size and layout.masks.shape[1:] == (min(block_size, n), min(block_size, n))
+    assert torch.equal(layout.to_dense()[0], pattern.mask(n, heads=2))
+
+
+@pytest.mark.parametrize("n_q, n_k", [(20, 20), (7, 30), (30, 7)])
+def test_every_view_of_a_layout_with_blocks_larger_than_the_sequence(n_q, n_k):
+    pattern = sa.Local(2) | sa.Global(first=1)
+    layout = pattern.layout(n_q, n_k, block_size=128)
+    assert (layout.n_q_blocks, layout.n_k_blocks) == (1, 1) and layout.masks.shape[1:] == (n_q, n_k)
+    mask = pattern.mask(n_q, n_k)[0]
+    assert torch.equal(layout.row_mask(0, 1)[0, 0], mask)
+    assert layout.allowed_pairs() == int(mask.sum()) and layout.computed_pairs() == n_q * n_k
+    assert np.array_equal(layout.to_scipy(level="token").toarray(), mask.numpy())
+    assert layout.to_scipy().toarray().tolist() == [[int(mask.sum())]] and layout.block_grid().tolist() == [[1]]
+    assert "blocks 1 x 1" in str(layout)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # tiny N: eager is the point
+def test_to_block_mask_with_blocks_larger_than_the_sequence():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    layout = (sa.Local(3) | sa.Global(first=1)).layout(20, heads=2, block_size=128)
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    torch.testing.assert_close(flex.flex_attention(q, k, v, block_mask=layout.to_block_mask()),
+                               sa.sparse_attention(q, k, v, layout, backend="reference"), atol=1e-5, rtol=1e-5)
+
+
+def test_more_blocks_than_int32_indices_hold_is_refused(monkeypatch):
+    monkeypatch.setattr(layout_module, "_INT32_MAX", 10)
+    with pytest.raises(ValueError, match=r"the layout has 16 \(example, head, block\) entries, more than its int32 "
+                                         r"indices hold \(10\); use a larger block_size \(got 4\)"):
+        sa.Dense().layout(16, block_size=4)
+
+
+# --- hand-built layouts are checked ---------------------------------------------------------------
+def built(pattern=sa.Local(9) | sa.Global(first=1), n=40, heads=2, block_size=8):
+    """The tensors and arguments of a layout built by the library (a valid hand-built layout)."""
+    layout = pattern.layout(n, heads=heads, block_size=block_size)
+    tensors = {name: getattr(layout, name).clone() for name in sa.BlockLayout._TENSORS}
+    return dict(pattern=pattern, n_q=n, n_k=n, heads=heads, block_size=block_size, causal=False, **tensors)
+
+
+def test_a_consistent_hand_built_layout_is_accepted_and_runs():
+    fields = built(sa.PerHead([sa.Local(3), sa.Local(5) | sa.Random(1, block_size=8)]))
+    fields["full_idx"] = fields["full_idx"].repeat_interleave(2)[::2]              # non-contiguous views are fine
+    layout = sa.BlockLayout(**fields)
+    expected = fields["pattern"].layout(40, heads=2, block_size=8)
+    assert torch.equal(layout.to_dense(), expected.to_dense()) and layout.full_idx.is_contiguous()
+    q = torch.randn(1, 2, 40, 8)
+    torch.testing.assert_close(sa.sparse_attention(q, q, q, layout, backend="numba"),
+                               sa.sparse_attention(q, q, q, expected, backend="reference"))
+    assert sa.BlockLayout(**dict(built(), pattern=None)).pattern is None
+
+
+def _corrupt(change):
+    fields = built()
+    change(fields)
+    return fields
+
+
+CORRUPTIONS = [
+    # the issue's case: an empty transposed index made the numba backward return a wrong dK
+    (lambda f: f.update(full_t_ptr=torch.zeros_like(f["full_t_ptr"]), full_t_idx=f["full_t_idx"][:0]),
+     ValueError, "BlockLayout full_t_ptr/full_t_idx must be exactly the transpose of full_ptr/full_idx"),
+    (lambda f: f.update(full_t_ptr=torch.zeros_like(f["full_t_ptr"])), ValueError,
+     "BlockLayout full_t_ptr must be non-decreasing row pointers into full_t_idx, from 0 to its length 5, each"),
+    (lambda f: f.update(full_t_idx=f["full_t_idx"].flip(0)), ValueError,
+     "BlockLayout full_t_ptr/full_t_idx must be exactly the transpose of full_ptr/full_idx"),
+    (lambda f: f.update(part_t_mask=f["part_t_mask"].roll(1)), ValueError,
+     "BlockLayout part_t_ptr/part_t_idx/part_t_mask must be exactly the transpose of part_ptr/part_idx/part_mask"),
+    (lambda f: f.update(full_idx=f["full_idx"].long()), TypeError,
+     "BlockLayout full_idx must be a torch.int32 tensor, got torch.int64"),
+    (lambda f: f.update(masks=f["masks"].int()), TypeError, "BlockLayout masks must be a torch.bool tensor, got torch.int32"),
+    (lambda f: f.update(part_idx=f["part_idx"].tolist()), TypeError, "BlockLayout part_idx must be a torch.int32 tensor, got list"),
+    (lambda f: f.update(full_ptr=f["full_ptr"][0]), ValueError, r"BlockLayout full_ptr must have shape \(Bl, Hl, n_q_blocks \+ 1\)"),
+    (lambda f: f.update(full_ptr=f["full_ptr"].expand(1, 3, 6)), ValueError, "with Bl >= 1 and Hl 1 or heads=2, got"),
+    (lambda f: f.update(part_ptr=f["part_ptr"][..., :-1]), ValueError, r"BlockLayout part_ptr must have shape \(1, 1, 6\), got \(1, 1, 5\)"),
+    (lambda f: f.update(full_t_ptr=f["full_t_ptr"][..., :-1]), ValueError, r"BlockLayout full_t_ptr must have shape \(1, 1, 6\)"),
+    (lambda f: f.update(masks=f["masks"][:, :4]), ValueError, r"BlockLayout masks must have shape \(\d+, 8, 8\), got \(\d+, 4, 8\)"),
+    (lambda f: f.update(part_mask=f["part_mask"][:-1]), ValueError, r"BlockLayout part_mask must have shape"),
+    (lambda f: f.update(full_idx=f["full_idx"][None]), ValueError, "BlockLayout full_idx must be one-dimensional"),
+    (lambda f: f["full_ptr"].__setitem__((0, 0, 2), 0), ValueError, "BlockLayout full_ptr must be non-decreasing"),
+    (lambda f: f["part_idx"].__setitem__(0, 5), ValueError, "BlockLayout part_idx must hold block indices in \\[0, 5\\), got"),
+    (lambda f: f["full_t_idx"].__setitem__(0, -1), ValueError, "BlockLayout full_t_idx must hold block indices in"),
+    (lambda f: f["part_idx"].__setitem__(slice(0, 2), torch.tensor([2, 1], dtype=torch.int32)), ValueError,
+     "BlockLayout part_idx must be sorted and without duplicates within each row"),
+    (lambda f: f["part_idx"].__setitem__(1, 1), ValueError, "BlockLayout part_idx must be sorted and without duplicates"),
+    (lambda f: f["part_mask"].__setitem__(0, 99), ValueError,
+     r"BlockLayout part_mask and part_t_mask must hold tile ids in \[0, \d+\) \(the length of masks\)"),
+    (lambda f: f.update(masks=f["masks"].to("meta")), ValueError, r"BlockLayout tensors must be on one device, got \['cpu', 'meta'\]"),
+    (lambda f: f.pop("part_t_mask"), TypeError, r"BlockLayout needs the tensors .*; missing \['part_t_mask'\], unexpected \[\]"),
+    (lambda f: f.update(n_q=0), ValueError, "n_q must be >= 1, got 0"),
+    (lambda f: f.update(block_size=8.0), TypeError, "block_size must be an int, got 8.0"),
+    (lambda f: f.update(causal=1), TypeError, r"causal must be a bool, got 1 \(int\)"),
+    (lambda f: f.update(pattern="Local(5)"), TypeError, "BlockLayout pattern must be a sparse_attn Pattern, got str"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", CORRUPTIONS, ids=[m[:60] for _, _, m in CORRUPTIONS])
+def test_hand_built_layouts_are_checked_field_by_field(change, error, message):
+    with pytest.raises(error, match=message):
+        sa.BlockLayout(**_corrupt(change))
+
+
+def test_tiles_must_be_false_outside_the_sequence():
+    fields = built(n=37)                                  # the last block row and column hold 5 of 8 tokens
+    fields["masks"][:, 7, 7] = True
+    with pytest.raises(ValueError, match=r"BlockLayout masks\[\d+\] allows pairs outside the sequence \(query rows >= "
+                                         r"37 or keys >= 37\) in a block of the last row or column"):
+        sa.BlockLayout(**fields)
+
+
+def test_a_block_both_full_and_partial_is_refused():
+    fields = built(sa.Dense(), n=16, block_size=8)       # 2 x 2 full blocks, listed again as partial ones
+    full = dict(full_ptr=fields["full_ptr"], full_idx=fields["full_idx"], full_t_ptr=fields["full_t_ptr"],
+                full_t_idx=fields["full_t_idx"])
+    part = {"part" + name[4:]: tensor for name, tensor in full.items()}
+    masks = torch.zeros(1, 8, 8, dtype=torch.bool)
+    masks[0, 0, 0] = True
+    tile_ids = torch.zeros(len(fields["full_idx"]), dtype=torch.int32)
+    with pytest.raises(ValueError, match="BlockLayout lists a block both in full_idx and in part_idx"):
+        sa.BlockLayout(**{**fields, **full, **part, "masks": masks, "part_mask": tile_ids, "part_t_mask": tile_ids})
+
+
+def test_pattern_layout_and_to_skip_the_checks(monkeypatch):
+    def fail(layout):
+        raise AssertionError("a layout built by the library was checked again")
+    monkeypatch.setattr(layout_module, "_check_tensors", fail)
+    layout = (sa.Local(7) | sa.Random(1, block_size=16)).layout(100, heads=2, block_size=16, causal=True)
+    assert layout.to("meta").device.type == "meta"
+
+
+# --- call-time masks and flags --------------------------------------------------------------------
+def test_a_meta_mask_cannot_build_a_layout():
+    with pytest.raises(ValueError, match="key_padding_mask is a meta tensor: its values, which decide the layout, "
+                                         "cannot be read"):
+        sa.Local(1).layout(8, key_padding_mask=torch.zeros(1, 8, dtype=torch.bool, device="meta"))
+
+
+def test_numpy_masks_and_flags_work_like_torch_ones():
+    padding = np.arange(12)[None, :] >= np.array([[12], [7]])
+    layout = sa.Local(2).layout(12, heads=2, block_size=4, causal=np.bool_(True), key_padding_mask=padding)
+    assert layout is sa.Local(2).layout(12, heads=2, block_size=4, causal=True, key_padding_mask=torch.from_numpy(padding))
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, 12\) with batch >= 1, got \(0, 12\)"):
+        sa.Local(2).layout(12, key_padding_mask=np.zeros((0, 12), dtype=bool))
+    with pytest.raises(ValueError, match=f"n_q must be <= {MAX_LENGTH}"):
+        sa.Local(2).layout(MAX_LENGTH + 1)

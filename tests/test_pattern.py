@@ -1,11 +1,14 @@
 """Pattern semantics against brute-force definitions written from the DESIGN table."""
+import copy
 import pickle
+import re
 
 import numpy as np
 import pytest
 import torch
 
 import sparse_attn as sa
+from sparse_attn.pattern import MAX_DEPTH
 
 SIZES = [(1, 1), (7, 7), (16, 16), (13, 29), (29, 13), (40, 40)]
 
@@ -185,3 +188,144 @@ INVALID = [
 def test_invalid_parameters_raise_clear_errors(make, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
         make()
+
+
+# --- extreme arguments: any int is accepted and means what the definition says -------------------
+N = 13  # the length the n-relative extremes below refer to
+EXTREMES = [0, 1, N - 1, N, N + 1, 2**31, 2**62, 2**63 - 1, 2**63, 2**64, 10**30]
+
+
+def _local_rule(before, after, u):
+    return lambda i, j, n: i // u - before <= j // u <= i // u + after
+
+
+def _global_rule(tokens, first, last):
+    return lambda i, j, n: any(t in tokens or t < first or t >= n - last for t in (i, j) if t >= 0)
+
+
+# (make(x), definition(x)): every argument of every kind at every extreme; the definitions use Python ints
+EXTREME_CASES = [
+    (lambda x: sa.Local(x), lambda x: _local_rule(x, x, 1)),
+    (lambda x: sa.Local(0, x), lambda x: _local_rule(0, x, 1)),
+    (lambda x: sa.Local(x, 0), lambda x: _local_rule(x, 0, 1)),
+    (lambda x: sa.Local(1, 0, block_size=max(x, 1)), lambda x: _local_rule(1, 0, max(x, 1))),
+    (lambda x: sa.Local(x, x, block_size=max(x, 1)), lambda x: _local_rule(x, x, max(x, 1))),
+    (lambda x: sa.Stride(max(x, 1)), lambda x: lambda i, j, n: (i - j) % max(x, 1) == 0),
+    (lambda x: sa.Stride(3, offset=x), lambda x: lambda i, j, n: (i - j - x) % 3 == 0),
+    (lambda x: sa.Stride(3, offset=-x), lambda x: lambda i, j, n: (i - j + x) % 3 == 0),
+    (lambda x: sa.Stride(max(x, 1), offset=x - 5), lambda x: lambda i, j, n: (i - j - x + 5) % max(x, 1) == 0),
+    (lambda x: sa.Stride(max(x, 1), offset=-2), lambda x: lambda i, j, n: (i - j + 2) % max(x, 1) == 0),
+    (lambda x: sa.Dilated(x, 2), lambda x: lambda i, j, n: i - 2 * x <= j <= i + 2 * x and (i - j) % 2 == 0),
+    (lambda x: sa.Dilated(1, max(x, 1)), lambda x: lambda i, j, n: abs(i - j) in (0, max(x, 1))),
+    (lambda x: sa.Dilated(1, 2, after=x), lambda x: lambda i, j, n: i - 2 <= j <= i + 2 * x and (i - j) % 2 == 0),
+    (lambda x: sa.Global(tokens=(x,)), lambda x: _global_rule((x,), 0, 0)),
+    (lambda x: sa.Global(first=x), lambda x: _global_rule((), x, 0)),
+    (lambda x: sa.Global(last=x), lambda x: _global_rule((), 0, x)),
+    (lambda x: sa.Sink(tokens=(x,), first=x), lambda x: lambda i, j, n: j == x or j < x),
+    (lambda x: sa.Sink(period=x), lambda x: lambda i, j, n: x > 0 and j % x == x - 1),
+    (lambda x: sa.Sink(period=x + 3, width=x + 1), lambda x: lambda i, j, n: j % (x + 3) >= 2),
+    (lambda x: sa.Sink(period=x + 3, width=1), lambda x: lambda i, j, n: j % (x + 3) == x + 2),
+]
+EXTREME_RANDOM = [lambda x: sa.Random(x, block_size=4), lambda x: sa.Random(2, seed=x, block_size=4),
+                  lambda x: sa.Random(1, block_size=max(x, 1)), lambda x: sa.Random(x, seed=x, block_size=max(x, 1))]
+
+
+@pytest.mark.parametrize("x", EXTREMES)
+@pytest.mark.parametrize("n_q, n_k", [(N, N), (5, N), (2 * N, N)])
+def test_extreme_arguments_mean_what_the_definition_says(x, n_q, n_k):
+    for make, definition in EXTREME_CASES:
+        pattern = make(x)
+        assert torch.equal(pattern.mask(n_q, n_k)[0], brute(definition(x), n_q, n_k)), pattern
+
+
+@pytest.mark.parametrize("x", EXTREMES)
+def test_extreme_random_arguments_are_accepted(x):
+    for make in EXTREME_RANDOM:
+        mask = make(x).mask(N, heads=2)
+        assert mask.shape == (2, N, N)
+
+
+def test_arguments_are_stored_as_python_ints():
+    p = sa.Dilated(np.int64(2), np.int64(2**62))
+    assert type(p.before) is int and type(p.dilation) is int and repr(p) == "Dilated(2, 4611686018427387904)"
+    assert p.to_dict() == {"type": "dilated", "before": 2, "dilation": 2**62}
+    assert sa.Local(np.uint8(3)) == sa.Local(3) and sa.Global(tokens=np.arange(3)).tokens == (0, 1, 2)
+    assert torch.equal(p.mask(5)[0], torch.eye(5, dtype=torch.bool)), "2 * 2**62 must not wrap around in int64"
+
+
+INVALID_INPUTS = [
+    (lambda: sa.Global(tokens=(1.5,)), TypeError, "Global tokens must be a sequence of ints, got (1.5,)"),
+    (lambda: sa.Global(tokens=(True,)), TypeError, "Global tokens must be a sequence of ints"),
+    (lambda: sa.Sink(tokens=3), TypeError, "Sink tokens must be a sequence of ints, got 3"),
+    (lambda: sa.Local(np.float64(2.0)), TypeError, "Local before must be an int, got np.float64(2.0)"),
+    (lambda: sa.Stride(3, offset=1.0), TypeError, "Stride offset must be an int, got 1.0"),
+    (lambda: sa.Random(1, seed=True), TypeError, "Random seed must be an int, got True"),
+    (lambda: sa.Local(1).mask(2**31), ValueError, "n_q must be <= 2147483647, got 2147483648"),
+    (lambda: sa.Local(1).mask(4, 10**30), ValueError, "n_k must be <= 2147483647, got 10000000000"),
+    (lambda: sa.Local(1).mask(4, heads=np.bool_(True)), TypeError, "heads must be an int, got np.True_"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", INVALID_INPUTS, ids=[m for _, _, m in INVALID_INPUTS])
+def test_invalid_inputs_raise_clear_errors(make, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+
+
+# --- nesting depth -------------------------------------------------------------------------------
+def alternating(levels, leaf=sa.Local(1)):
+    """``levels`` alternating | and & levels over ``leaf`` (a chain of one operator would flatten); the top is &."""
+    p = leaf
+    for level in range(levels):
+        p = (p | sa.Stride(3 + level)) if (levels - level) % 2 == 0 else (p & sa.Local(5 + level))
+    return p
+
+
+def test_nesting_deeper_than_the_limit_is_refused_at_construction():
+    deepest = alternating(MAX_DEPTH)
+    with pytest.raises(ValueError, match=rf"this Union would nest {MAX_DEPTH + 1} levels of \|, & and PerHead, more "
+                                         rf"than MAX_DEPTH={MAX_DEPTH}; combine the members of one operator once"):
+        deepest | sa.Causal()
+    with pytest.raises(ValueError, match=f"this PerHead would nest {MAX_DEPTH + 1} levels"):
+        sa.PerHead([deepest])
+    deepest & sa.Causal() & sa.Local(3)  # a chain of one operator does not nest
+    alternating(MAX_DEPTH - 1, sa.Dilated(1, 2))
+    with pytest.raises(ValueError, match=f"would nest {MAX_DEPTH + 1} levels"):  # Dilated is Local & Stride
+        alternating(MAX_DEPTH, sa.Dilated(1, 2))
+
+
+def test_pattern_dicts_deeper_than_the_limit_are_refused_before_recursing():
+    d = {"type": "local", "before": 1}
+    for level in range(5000):
+        d = {"type": "union" if level % 2 else "intersection", "patterns": [d, {"type": "causal"}]}
+    with pytest.raises(ValueError, match=f"would nest {MAX_DEPTH + 1} levels"):
+        sa.Pattern.from_dict(d)
+
+
+def _in_deep_stack(frames, fn):
+    """``fn()`` called ``frames`` Python frames deep, as from inside a deep model."""
+    return fn() if frames == 0 else _in_deep_stack(frames - 1, fn)
+
+
+def test_every_operation_works_at_the_depth_limit_even_from_a_deep_stack(tmp_path):
+    p, same = alternating(MAX_DEPTH - 1, sa.Dilated(1, 2)), alternating(MAX_DEPTH - 1, sa.Dilated(1, 2))
+    per_head = sa.PerHead([alternating(MAX_DEPTH - 1), sa.Dense()])
+    q = torch.randn(1, 2, 40, 8)
+    masks = dict(causal=True, global_mask=torch.zeros(1, 40, dtype=torch.bool),
+                 key_padding_mask=torch.arange(40)[None] >= 35)
+
+    def every_operation():
+        assert p == same and hash(p) == hash(same) and repr(p) == repr(same)
+        assert sa.Pattern.from_dict(p.to_dict()) == p and pickle.loads(pickle.dumps(p)) == p
+        assert copy.deepcopy(per_head) == per_head and per_head.head_dependent
+        sa.save_pattern(p, tmp_path / "deep.toml")
+        assert sa.load_pattern(tmp_path / "deep.toml") == p
+        expected = p.mask(40, heads=2) & sa.Causal().mask(40) & ~masks["key_padding_mask"][:, None]
+        assert torch.equal(p.layout(40, heads=2, block_size=8, **masks).to_dense()[0], expected)
+        str(p.layout(40, block_size=8))
+        for backend in ("reference", "numba"):
+            out = sa.sparse_attention(q, q, q, p, backend=backend, **masks)
+            torch.testing.assert_close(out, sa.sparse_attention(q, q, q, p.layout(40, heads=2, **masks)))
+        assert sa.sparse_attention(q, q, q, per_head, backend="reference").shape == q.shape
+
+    _in_deep_stack(300, every_operation)

@@ -83,8 +83,18 @@ def test_long_sparse_input_stores_only_the_allowed_pairs():
      "part of a prebuilt BlockLayout"),
     (lambda q, k: sa.attention_weights(q, k, sa.Local(1), key_padding_mask=torch.zeros(1, 8)), TypeError,
      "key_padding_mask must be a torch.bool tensor"),
+    (lambda q, k: sa.attention_weights(q.to("meta"), k.to("meta"), sa.Local(1)), ValueError,
+     "attention_weights returns probabilities, which meta tensors do not have"),
 ])
 def test_errors(call, error, message):
     q = k = torch.randn(1, 2, 8, 4)
     with pytest.raises(error, match=message):
         call(q, k)
+
+
+def test_blocks_larger_than_the_sequence():
+    q, k = torch.randn(1, 2, 30, 8), torch.randn(1, 2, 20, 8)
+    pattern = sa.Local(3) | sa.Global(first=1)
+    weights = sa.attention_weights(q, k, pattern, block_size=2**20)
+    expected = dense_probabilities(q, k, pattern.mask(30, 20, heads=2)[None])
+    np.testing.assert_allclose(weights[0][1].toarray(), expected[0, 1].numpy(), atol=1e-6)
