@@ -1,15 +1,16 @@
-"""The wheel ships the presets and the type marker; the docstring examples are true."""
+"""The wheel ships the presets and the type marker; the docstring examples are true; tests import the checkout."""
 import doctest
 import importlib
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
 
 def test_wheel_contains_presets_and_py_typed(tmp_path):
     builders = pytest.importorskip("hatchling.builders.wheel")
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     wheel = next(builders.WheelBuilder(str(root)).build(directory=str(tmp_path), versions=["standard"]))
     names = zipfile.ZipFile(wheel).namelist()
@@ -31,3 +32,12 @@ def test_transformers_integration_docstring_examples():
     module = importlib.import_module("sparse_attn.integrations.transformers")
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_tests_and_their_subprocesses_import_the_checkout(tmp_path):
+    """Even with the package also installed (pip install ".[test]") and from another directory."""
+    checkout = Path(__file__).resolve().parent.parent / "sparse_attn"
+    import sparse_attn
+    code = "import sparse_attn; print(sparse_attn.__file__)"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert Path(sparse_attn.__file__).parent == checkout == Path(imported.stdout.strip()).parent
