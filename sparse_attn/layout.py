@@ -130,6 +130,9 @@ class BlockLayout:
         device = torch.device(device)
         if device == self.device:
             return self
+        if self.device.type == "meta":
+            raise ValueError(f"this BlockLayout is on the meta device, which holds no values to move to {device}; "
+                             f"build it there with pattern.layout(...).to({str(device)!r})")
         if device not in self._on_device:
             moved = {name: getattr(self, name).to(device) for name in self._TENSORS}
             self._on_device[device] = BlockLayout._trusted(self.pattern, self.n_q, self.n_k, self.heads, self.block_size,
@@ -195,6 +198,9 @@ class BlockLayout:
     # --- dense views (small N) -----------------------------------------------------------------
     def row_mask(self, r0: int, r1: int) -> torch.Tensor:
         """Token mask of query blocks r0..r1-1: bool (Bl, Hl, rows, n_k), rows clipped to n_q."""
+        r0, r1 = _check_int("r0", r0, 0), _check_int("r1", r1)
+        if not r0 < r1 <= self.n_q_blocks:
+            raise ValueError(f"row_mask needs 0 <= r0 < r1 <= n_q_blocks={self.n_q_blocks}, got r0={r0}, r1={r1}")
         (tq, tk), n_kb = self.tile_shape, self.n_k_blocks
         bl, hl = self.full_ptr.shape[:2]
         out = torch.zeros(bl * hl, r1 - r0, tq, n_kb, tk, dtype=torch.bool, device=self.device)
@@ -249,7 +255,9 @@ class BlockLayout:
 
     def bin_factor(self, max_side: int | None = None) -> int:
         """Blocks per grid cell so that neither side of ``block_grid(max_side=...)`` exceeds ``max_side``."""
-        return 1 if max_side is None else max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // max_side))
+        if max_side is None:
+            return 1
+        return max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // _check_int("max_side", max_side, 1)))
 
     def block_grid(self, batch: int = 0, head: int = 0, max_side: int | None = None) -> np.ndarray:
         """Block states of one (example, head): 0 skipped, 1 partial, 2 full, as an int8 grid.
@@ -307,6 +315,7 @@ class BlockLayout:
                                         mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
 
     def _check_example_head(self, batch: int, head: int) -> tuple[int, int]:
+        batch, head = _check_int("batch", batch), _check_int("head", head)
         if not 0 <= batch < self.batch:
             raise ValueError(f"batch must be in [0, {self.batch}), got {batch}")
         if not 0 <= head < self.heads:

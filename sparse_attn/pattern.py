@@ -277,7 +277,7 @@ def _from_dict(d: dict, level: int) -> Pattern:
     if not isinstance(d, dict) or "type" not in d:
         raise ValueError(f"a pattern dict needs a 'type' key, got {d!r}")
     kind = d["type"]
-    cls = Pattern._registry.get(kind)
+    cls = Pattern._registry.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ValueError(f"unknown pattern type {kind!r}; expected one of {sorted(Pattern._registry)}")
     kwargs = {}
@@ -594,23 +594,21 @@ class Random(Pattern):
         blocked = np.zeros(0, dtype=np.int64)
         if excluded is not None:
             blocked = block_table(excluded, rows_ctx, u)[0] + first * n_kt
-        taken = blocked
         rows = np.arange(first, n_qt, dtype=np.int64)
-        n_free = n_kt - _count_in(taken, rows * n_kt, rows * n_kt + n_kt - 1)
-        for t in range(min(self.blocks, n_kt)):
-            live = n_free > t
-            active = rows[live]
-            if active.size == 0:
-                break
+        n_free = n_kt - _count_in(blocked, rows * n_kt, rows * n_kt + n_kt - 1)
+        every = rows[n_free <= self.blocks]  # these rows take all their free tiles, without drawing
+        taken = np.union1d(blocked, _ranges_to_keys(every, np.zeros_like(every), np.full_like(every, n_kt - 1), n_kt))
+        rows, n_free = rows[n_free > self.blocks], n_free[n_free > self.blocks]
+        for t in range(self.blocks if rows.size else 0):  # here blocks < n_free <= n_kt
             # the pick-th free tile of the row: least c with c - #taken(<= c) == pick (monotone fixed point)
-            pick = (_hash(self.seed, ctx.head, active, t) % (n_free[live] - t).astype(np.uint64)).astype(np.int64)
+            pick = (_hash(self.seed, ctx.head, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
             c = pick
             while True:
-                c_next = pick + _count_in(taken, active * n_kt, active * n_kt + c)
+                c_next = pick + _count_in(taken, rows * n_kt, rows * n_kt + c)
                 if np.array_equal(c_next, c):
                     break
                 c = c_next
-            taken = np.union1d(taken, active * n_kt + c)
+            taken = np.union1d(taken, rows * n_kt + c)
         return _RandomTiles(np.setdiff1d(taken, blocked, assume_unique=True), u, n_kt)
 
 

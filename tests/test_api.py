@@ -130,6 +130,8 @@ def test_meta_inputs_are_still_checked():
         call(q, q, q, sa.Local(1), key_padding_mask=torch.empty(2, 15, dtype=torch.bool, device="meta"))
     with pytest.raises(ValueError, match="the BlockLayout was built for heads=2 but q has 4 heads"):
         call(q, q, q, sa.Local(1).layout(16, heads=2))
+    with pytest.raises(ValueError, match="global_mask needs n_q == n_k"):
+        call(q, q[:, :, :8], q[:, :, :8], sa.Local(1), global_mask=torch.empty(2, 16, dtype=torch.bool))
 
 
 def test_numpy_values_where_torch_ones_are_expected():

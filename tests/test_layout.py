@@ -260,6 +260,7 @@ def test_layout_agrees_with_mask_for_extreme_arguments(x):
     (sa.Local(1, block_size=2**40) | sa.Random(2, block_size=2**70), 64, 2**70),
     (sa.Random(1, block_size=1), 1024, 64),                            # random tiles much smaller than blocks
     (sa.Sink(period=10**9, width=10**9 - 5) | sa.Global(last=2**62), 64, 16),
+    (sa.Random(10**9, block_size=4), 2048, 64),                        # every tile, without 512 draws
 ])
 def test_huge_block_sizes_cost_what_the_sequence_needs(pattern, n, block_size):
     tracemalloc.start()
@@ -268,7 +269,7 @@ def test_huge_block_sizes_cost_what_the_sequence_needs(pattern, n, block_size):
     seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert seconds < 1.0 and peak < 60e6, f"{seconds:.2f} s, {peak / 1e6:.0f} MB"
-    assert layout.block_size == block_size and layout.masks.shape[1:] == (min(block_size, n), min(block_size, n))
+    assert layout.block_size == block_size and layout.masks.shape[1:] == (min(block_size, n),) * 2
     assert torch.equal(layout.to_dense()[0], pattern.mask(n, heads=2))
 
 
@@ -414,3 +415,15 @@ def test_numpy_masks_and_flags_work_like_torch_ones():
         sa.Local(2).layout(12, key_padding_mask=np.zeros((0, 12), dtype=bool))
     with pytest.raises(ValueError, match=f"n_q must be <= {MAX_LENGTH}"):
         sa.Local(2).layout(MAX_LENGTH + 1)
+
+
+def test_views_check_their_arguments():
+    layout = sa.Local(2).layout(40, heads=2, block_size=8)
+    with pytest.raises(TypeError, match=r"head must be an int, got 0.5 \(float\)"):
+        layout.to_scipy(head=0.5)
+    with pytest.raises(ValueError, match="max_side must be >= 1, got 0"):
+        layout.block_grid(max_side=0)
+    with pytest.raises(ValueError, match=r"row_mask needs 0 <= r0 < r1 <= n_q_blocks=5, got r0=2, r1=1"):
+        layout.row_mask(2, 1)
+    with pytest.raises(ValueError, match="this BlockLayout is on the meta device, which holds no values to move to cpu"):
+        layout.to("meta").to("cpu")

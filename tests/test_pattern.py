@@ -181,6 +181,7 @@ INVALID = [
     (lambda: sa.Pattern.from_dict({"type": "window"}), ValueError, "unknown pattern type 'window'"),
     (lambda: sa.Pattern.from_dict({"type": "local", "width": 3}), ValueError, "pattern type 'local' has no field 'width'"),
     (lambda: sa.Pattern.from_dict({"before": 3}), ValueError, "a pattern dict needs a 'type' key"),
+    (lambda: sa.Pattern.from_dict({"type": ["local"]}), ValueError, r"unknown pattern type \['local'\]"),
 ]
 
 
