@@ -349,6 +349,19 @@ class BlockLayout:
 # ------------------------------------------------------------------------------------------------
 def _check_tensors(layout: BlockLayout) -> None:
     """Everything the kernels rely on, for a layout not built by ``pattern.layout``; see BlockLayout."""
+    _check_dtypes_and_device(layout)
+    host = {name: getattr(layout, name).cpu().numpy() for name in BlockLayout._TENSORS}
+    _check_shapes(layout, host)
+    full, part = _checked_entries(layout, host, "full"), _checked_entries(layout, host, "part")
+    g, r, c = (np.concatenate([full[i], part[i]]) for i in range(3))
+    order = np.lexsort((c, r, g))
+    g, r, c = g[order], r[order], c[order]
+    if ((g[1:] == g[:-1]) & (r[1:] == r[:-1]) & (c[1:] == c[:-1])).any():
+        raise ValueError("BlockLayout lists a block both in full_idx and in part_idx; a block is full or partial")
+    _check_tiles_end_with_sequence(layout, host["masks"], *part)
+
+
+def _check_dtypes_and_device(layout: BlockLayout) -> None:
     tensors = {name: getattr(layout, name) for name in BlockLayout._TENSORS}
     for name, tensor in tensors.items():
         expected = torch.bool if name == "masks" else torch.int32
@@ -360,46 +373,45 @@ def _check_tensors(layout: BlockLayout) -> None:
         raise ValueError(f"BlockLayout tensors must be on one device, got {sorted(map(str, devices))}; move them with .to()")
     for name, tensor in tensors.items():
         setattr(layout, name, tensor.contiguous())  # the kernels read flat memory
-    groups = tuple(layout.full_ptr.shape[:2]) if layout.full_ptr.dim() == 3 else None
+
+
+def _check_shapes(layout: BlockLayout, host: dict[str, np.ndarray]) -> None:
+    groups = host["full_ptr"].shape[:2] if host["full_ptr"].ndim == 3 else None
     if groups is None or groups[0] < 1 or groups[1] not in (1, layout.heads):
         raise ValueError(f"BlockLayout full_ptr must have shape (Bl, Hl, n_q_blocks + 1) with Bl >= 1 and Hl 1 or "
-                         f"heads={layout.heads}, got {tuple(layout.full_ptr.shape)}")
-    host = {name: tensor.cpu().numpy() for name, tensor in tensors.items()}
-    n_qb, n_kb = layout.n_q_blocks, layout.n_k_blocks
-    expected_shapes = {"full_ptr": (*groups, n_qb + 1), "part_ptr": (*groups, n_qb + 1), "full_t_ptr": (*groups, n_kb + 1),
-                       "part_t_ptr": (*groups, n_kb + 1), "masks": (host["masks"].shape[0], *layout.tile_shape),
-                       "part_mask": host["part_idx"].shape, "part_t_mask": host["part_t_idx"].shape}
-    for name, shape in expected_shapes.items():
+                         f"heads={layout.heads}, got {host['full_ptr'].shape}")
+    rows, cols = layout.n_q_blocks + 1, layout.n_k_blocks + 1
+    expected = {"full_ptr": (*groups, rows), "part_ptr": (*groups, rows), "full_t_ptr": (*groups, cols),
+                "part_t_ptr": (*groups, cols), "masks": (host["masks"].shape[0], *layout.tile_shape),
+                "part_mask": host["part_idx"].shape, "part_t_mask": host["part_t_idx"].shape}
+    for name, shape in expected.items():
         if host[name].shape != shape:
             raise ValueError(f"BlockLayout {name} must have shape {shape}, got {host[name].shape}")
     for name in ("full_idx", "part_idx", "full_t_idx", "part_t_idx"):
         if host[name].ndim != 1:
             raise ValueError(f"BlockLayout {name} must be one-dimensional, got shape {host[name].shape}")
-    entries = {}
-    for kind in ("full", "part"):
-        tile = host["part_mask"] if kind == "part" else np.full(len(host["full_idx"]), -1)
-        tile_t = host["part_t_mask"] if kind == "part" else np.full(len(host["full_t_idx"]), -1)
-        if kind == "part" and len(tile) and (min(tile.min(), tile_t.min()) < 0 or
-                                             max(tile.max(), tile_t.max()) >= len(host["masks"])):
-            raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {len(host['masks'])}) "
-                             f"(the length of masks)")
-        g, r = _csr_rows(f"{kind}_ptr", host[f"{kind}_ptr"], f"{kind}_idx", host[f"{kind}_idx"], n_kb)
-        g_t, c_t = _csr_rows(f"{kind}_t_ptr", host[f"{kind}_t_ptr"], f"{kind}_t_idx", host[f"{kind}_t_idx"], n_qb)
-        r_t = host[f"{kind}_t_idx"]
-        order = np.lexsort((c_t, r_t, g_t))  # the transposed entries in row-index order
-        row_index = (g, r, host[f"{kind}_idx"], tile)
-        if len(order) != len(g) or not all(np.array_equal(a, b[order]) for a, b in zip(row_index, (g_t, r_t, c_t, tile_t))):
-            names = f"{kind}_t_ptr/{kind}_t_idx" + ("/part_t_mask" if kind == "part" else "")
-            raise ValueError(f"BlockLayout {names} must be exactly the transpose of {kind}_ptr/{kind}_idx"
-                             + ("/part_mask" if kind == "part" else "") + ": the same (example, head, query block, "
-                             f"key block{', tile' if kind == 'part' else ''}) entries, listed per key block")
-        entries[kind] = row_index
-    g, r, c = (np.concatenate([entries["full"][i], entries["part"][i]]) for i in range(3))
-    order = np.lexsort((c, r, g))
-    g, r, c = g[order], r[order], c[order]
-    if ((g[1:] == g[:-1]) & (r[1:] == r[:-1]) & (c[1:] == c[:-1])).any():
-        raise ValueError("BlockLayout lists a block both in full_idx and in part_idx; a block is full or partial")
-    _check_tiles_end_with_sequence(layout, host["masks"], *entries["part"])
+
+
+def _checked_entries(layout: BlockLayout, host: dict[str, np.ndarray], kind: str):
+    """(group, query block, key block, tile) of every ``kind`` ("full" or "part") block, in row-index
+    order, once both indices are checked and found to be transposes of each other."""
+    n_masks, part = len(host["masks"]), kind == "part"
+    tile = host["part_mask"] if part else np.full(len(host["full_idx"]), -1)
+    tile_t = host["part_t_mask"] if part else np.full(len(host["full_t_idx"]), -1)
+    if part and len(tile) and (min(tile.min(), tile_t.min()) < 0 or max(tile.max(), tile_t.max()) >= n_masks):
+        raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {n_masks}) (the length of masks)")
+    g, r = _csr_rows(f"{kind}_ptr", host[f"{kind}_ptr"], f"{kind}_idx", host[f"{kind}_idx"], layout.n_k_blocks)
+    g_t, c_t = _csr_rows(f"{kind}_t_ptr", host[f"{kind}_t_ptr"], f"{kind}_t_idx", host[f"{kind}_t_idx"],
+                         layout.n_q_blocks)
+    r_t = host[f"{kind}_t_idx"]
+    order = np.lexsort((c_t, r_t, g_t))  # the transposed entries in row-index order
+    entries = (g, r, host[f"{kind}_idx"], tile)
+    if len(order) != len(g) or not all(np.array_equal(a, b[order]) for a, b in zip(entries, (g_t, r_t, c_t, tile_t))):
+        tiles, tiles_t = ("/part_mask", "/part_t_mask") if part else ("", "")
+        raise ValueError(f"BlockLayout {kind}_t_ptr/{kind}_t_idx{tiles_t} must be exactly the transpose of "
+                         f"{kind}_ptr/{kind}_idx{tiles}: the same (example, head, query block, key block"
+                         f"{', tile' if part else ''}) entries, listed per key block")
+    return entries
 
 
 def _csr_rows(ptr_name: str, ptr: np.ndarray, idx_name: str, idx: np.ndarray, n_cols: int):
