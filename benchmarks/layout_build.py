@@ -40,7 +40,7 @@ def measure(expression: str, n: int, heads: int) -> dict:
         times.append(time.perf_counter() - start)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    stored = sum(getattr(layout, name).numel() * getattr(layout, name).element_size() for name in layout._TENSORS)
+    stored = sum(tensor.numel() * tensor.element_size() for tensor in layout.index)
     return {"n": n, "heads": heads, "build_s": statistics.median(times), "traced_peak_mb": peak / 2**20,
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "layout_mb": stored / 2**20,
             "nnz_blocks": layout.nnz_blocks, "distinct_tiles": layout.masks.shape[0], "density": layout.density}

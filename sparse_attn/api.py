@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from . import backends
-from .layout import BlockLayout, check_bool
+from .checks import check_bool
+from .layout import BlockLayout
 from .pattern import Pattern
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -140,9 +141,7 @@ def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
 
 
 def _choose_backend(backend: str, q: torch.Tensor) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {backend!r}")
-    if backend != "auto":
+    if backends.check_name(backend) != "auto":
         return backend
     return "triton" if q.device.type == "cuda" else "numba"
 

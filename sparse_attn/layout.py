@@ -27,11 +27,32 @@ import numpy as np
 import torch
 
 from ._host import host_only
-from .pattern import Pattern, _check_int, _check_lengths, _check_pattern, _Ctx, _n_blocks, block_table, with_call_data
+from .checks import check_bool, check_int
+from .pattern import Pattern, _check_lengths, _check_pattern, _Ctx, _n_blocks, block_table, with_call_data
 
 _GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
 _TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
 _INT32_MAX = 2**31 - 1
+
+
+class KernelIndex(NamedTuple):
+    """The kernel ABI: a layout's tensors, in the order every backend takes them (``layout.index``).
+
+    Field meanings, shapes and dtypes are in the table of :class:`BlockLayout`; a backend's custom op
+    takes them as ``*layout.index``.
+    """
+
+    full_ptr: torch.Tensor
+    full_idx: torch.Tensor
+    part_ptr: torch.Tensor
+    part_idx: torch.Tensor
+    part_mask: torch.Tensor
+    masks: torch.Tensor
+    full_t_ptr: torch.Tensor
+    full_t_idx: torch.Tensor
+    part_t_ptr: torch.Tensor
+    part_t_idx: torch.Tensor
+    part_t_mask: torch.Tensor
 
 
 class BlockLayout:
@@ -67,19 +88,16 @@ class BlockLayout:
     ``pattern`` (shown by ``print``) may be None.
     """
 
-    _TENSORS = ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask", "masks",
-                "full_t_ptr", "full_t_idx", "part_t_ptr", "part_t_idx", "part_t_mask")
-
     def __init__(self, *, pattern: Pattern | None, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
                  **tensors: torch.Tensor):
         if pattern is not None:
             _check_pattern("BlockLayout pattern", pattern)
         n_q, n_k = _check_lengths(n_q, n_k)
         names = set(tensors)
-        if names != set(self._TENSORS):
-            raise TypeError(f"BlockLayout needs the tensors {list(self._TENSORS)}; missing "
-                            f"{sorted(set(self._TENSORS) - names)}, unexpected {sorted(names - set(self._TENSORS))}")
-        self._set(pattern, n_q, n_k, _check_int("heads", heads, 1), _check_int("block_size", block_size, 1),
+        if names != set(KernelIndex._fields):
+            raise TypeError(f"BlockLayout needs the tensors {list(KernelIndex._fields)}; missing "
+                            f"{sorted(set(KernelIndex._fields) - names)}, unexpected {sorted(names - set(KernelIndex._fields))}")
+        self._set(pattern, n_q, n_k, check_int("heads", heads, 1), check_int("block_size", block_size, 1),
                   check_bool("causal", causal), tensors)
         _check_tensors(self)
 
@@ -93,9 +111,14 @@ class BlockLayout:
     def _set(self, pattern, n_q, n_k, heads, block_size, causal, tensors) -> None:
         self.pattern, self.n_q, self.n_k, self.heads = pattern, n_q, n_k, heads
         self.block_size, self.causal = block_size, causal
-        for name in self._TENSORS:
+        for name in KernelIndex._fields:
             setattr(self, name, tensors[name])
         self._on_device: dict[torch.device, BlockLayout] = {}
+
+    @property
+    def index(self) -> KernelIndex:
+        """The tensors kernels read, in the ABI's order (see :class:`KernelIndex`)."""
+        return KernelIndex(*(getattr(self, name) for name in KernelIndex._fields))
 
     # --- shape ---------------------------------------------------------------------------------
     @property
@@ -134,7 +157,7 @@ class BlockLayout:
             raise ValueError(f"this BlockLayout is on the meta device, which holds no values to move to {device}; "
                              f"build it there with pattern.layout(...).to({str(device)!r})")
         if device not in self._on_device:
-            moved = {name: getattr(self, name).to(device) for name in self._TENSORS}
+            moved = {name: getattr(self, name).to(device) for name in KernelIndex._fields}
             self._on_device[device] = BlockLayout._trusted(self.pattern, self.n_q, self.n_k, self.heads, self.block_size,
                                                            self.causal, moved)
         return self._on_device[device]
@@ -192,13 +215,13 @@ class BlockLayout:
 
         Backward is conventionally 2.5x this (5 matmuls with recomputation).
         """
-        _check_int("head_dim", head_dim, 1)
+        check_int("head_dim", head_dim, 1)
         return 4 * head_dim * self.computed_pairs()
 
     # --- dense views (small N) -----------------------------------------------------------------
     def row_mask(self, r0: int, r1: int) -> torch.Tensor:
         """Token mask of query blocks r0..r1-1: bool (Bl, Hl, rows, n_k), rows clipped to n_q."""
-        r0, r1 = _check_int("r0", r0, 0), _check_int("r1", r1)
+        r0, r1 = check_int("r0", r0, 0), check_int("r1", r1)
         if not r0 < r1 <= self.n_q_blocks:
             raise ValueError(f"row_mask needs 0 <= r0 < r1 <= n_q_blocks={self.n_q_blocks}, got r0={r0}, r1={r1}")
         (tq, tk), n_kb = self.tile_shape, self.n_k_blocks
@@ -257,7 +280,7 @@ class BlockLayout:
         """Blocks per grid cell so that neither side of ``block_grid(max_side=...)`` exceeds ``max_side``."""
         if max_side is None:
             return 1
-        return max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // _check_int("max_side", max_side, 1)))
+        return max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // check_int("max_side", max_side, 1)))
 
     def block_grid(self, batch: int = 0, head: int = 0, max_side: int | None = None) -> np.ndarray:
         """Block states of one (example, head): 0 skipped, 1 partial, 2 full, as an int8 grid.
@@ -315,7 +338,7 @@ class BlockLayout:
                                         mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
 
     def _check_example_head(self, batch: int, head: int) -> tuple[int, int]:
-        batch, head = _check_int("batch", batch), _check_int("head", head)
+        batch, head = check_int("batch", batch), check_int("head", head)
         if not 0 <= batch < self.batch:
             raise ValueError(f"batch must be in [0, {self.batch}), got {batch}")
         if not 0 <= head < self.heads:
@@ -350,7 +373,7 @@ class BlockLayout:
 def _check_tensors(layout: BlockLayout) -> None:
     """Everything the kernels rely on, for a layout not built by ``pattern.layout``; see BlockLayout."""
     _check_dtypes_and_device(layout)
-    host = {name: getattr(layout, name).cpu().numpy() for name in BlockLayout._TENSORS}
+    host = {name: getattr(layout, name).cpu().numpy() for name in KernelIndex._fields}
     _check_shapes(layout, host)
     full, part = _checked_entries(layout, host, "full"), _checked_entries(layout, host, "part")
     g, r, c = (np.concatenate([full[i], part[i]]) for i in range(3))
@@ -362,7 +385,7 @@ def _check_tensors(layout: BlockLayout) -> None:
 
 
 def _check_dtypes_and_device(layout: BlockLayout) -> None:
-    tensors = {name: getattr(layout, name) for name in BlockLayout._TENSORS}
+    tensors = {name: getattr(layout, name) for name in KernelIndex._fields}
     for name, tensor in tensors.items():
         expected = torch.bool if name == "masks" else torch.int32
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != expected:
@@ -457,7 +480,7 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
     """
     _check_pattern("pattern", pattern)
     n_q, n_k = _check_lengths(n_q, n_k)
-    heads, block_size = _check_int("heads", heads, 1), _check_int("block_size", block_size, 1)
+    heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
     causal = check_bool("causal", causal)
     pattern._check_heads(heads)
     batch = None
@@ -471,13 +494,6 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
         key_padding_mask = _check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
     return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
                           _Mask.of(key_padding_mask))
-
-
-def check_bool(name: str, value) -> bool:
-    """``value`` as a bool (a numpy bool included), else a TypeError naming ``name``."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-    return bool(value)
 
 
 def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:

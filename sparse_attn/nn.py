@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import backends
 from ._host import host_only
 from .api import sparse_attention
 from .pattern import Dense, Pattern
@@ -65,8 +66,7 @@ class SparseSelfAttention(nn.Module):
                             f"got {type(pattern).__name__}: {pattern!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a str ('auto', 'reference', 'numba' or 'triton'), got {backend!r}")
+        backends.check_name(backend)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.pattern, self.dropout, self.batch_first, self.backend = pattern, float(dropout), batch_first, backend

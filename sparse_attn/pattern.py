@@ -35,10 +35,11 @@ from Python's recursion limit.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import numpy as np
+
+from .checks import as_int, check_int
 
 if TYPE_CHECKING:
     import torch
@@ -82,37 +83,15 @@ def _as_columns(sig: np.ndarray, n: int) -> np.ndarray:
     return sig if sig.ndim == 2 else np.broadcast_to(sig, (n,))[:, None]
 
 
-def _as_int(value):
-    """``value`` as a Python int (numpy ints and other integer types included), else None; bools are not ints."""
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int, checked: ``_check_int("heads", np.int64(4), 1) == 4``."""
-    as_int = _as_int(value)
-    if as_int is None:
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if minimum is not None and as_int < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {as_int}")
-    if maximum is not None and as_int > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {as_int}")
-    return as_int
-
-
 def _set_int(spec: Pattern, field: str, minimum: int | None = None) -> None:
     """Check a spec's int field and store it as a Python int (so arithmetic on it never wraps)."""
-    value = _check_int(f"{type(spec).__name__} {field}", getattr(spec, field), minimum)
+    value = check_int(f"{type(spec).__name__} {field}", getattr(spec, field), minimum)
     object.__setattr__(spec, field, value)
 
 
 def _check_tokens(name: str, tokens) -> tuple[int, ...]:
     try:
-        values = [None] if isinstance(tokens, (str, bytes)) else [_as_int(t) for t in tokens]
+        values = [None] if isinstance(tokens, (str, bytes)) else [as_int(t) for t in tokens]
     except TypeError:  # not iterable
         values = [None]
     if None in values:
@@ -246,7 +225,7 @@ class Pattern:
         return ()
 
     def _check_heads(self, heads: int) -> None:
-        _check_int("heads", heads, 1)
+        check_int("heads", heads, 1)
         for child in self._children():
             child._check_heads(heads)
 
@@ -310,8 +289,8 @@ def _check_pattern(name: str, value) -> None:
 
 
 def _check_lengths(n_q: int, n_k: int | None) -> tuple[int, int]:
-    n_q = _check_int("n_q", n_q, 1, MAX_LENGTH)
-    return n_q, n_q if n_k is None else _check_int("n_k", n_k, 1, MAX_LENGTH)
+    n_q = check_int("n_q", n_q, 1, MAX_LENGTH)
+    return n_q, n_q if n_k is None else check_int("n_k", n_k, 1, MAX_LENGTH)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from .pattern import Causal, Global, Local, Pattern, Random, Sink, Stride, _check_int
+from .checks import check_int
+from .pattern import Causal, Global, Local, Pattern, Random, Sink, Stride
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,7 +35,7 @@ def longformer(window: int = 512, global_tokens=(0,)) -> Pattern:
     >>> longformer(8, global_tokens=())
     Local(4)
     """
-    _check_int("window", window, 0)
+    check_int("window", window, 0)
     if window % 2:
         raise ValueError(f"window must be even (Longformer's attention_window covers window // 2 tokens each "
                          f"side), got {window}; use {window + 1}")
@@ -53,7 +54,7 @@ def bigbird(block: int = 64, window_blocks: int = 3, global_blocks: int = 2, ran
     """
     for name, value, minimum in (("block", block, 1), ("window_blocks", window_blocks, 1),
                                  ("global_blocks", global_blocks, 0), ("random_blocks", random_blocks, 0)):
-        _check_int(name, value, minimum)
+        check_int(name, value, minimum)
     if window_blocks % 2 == 0:
         raise ValueError(f"window_blocks must be odd (the query block plus as many on each side), got "
                          f"{window_blocks}; use {window_blocks + 1}")
@@ -75,11 +76,11 @@ def sparse_transformer(stride: int, mode: str = "strided", summary: int = 1) -> 
     >>> sparse_transformer(4)
     (Local(3, 0) | Stride(4)) & Causal()
     """
-    _check_int("stride", stride, 1)
+    check_int("stride", stride, 1)
     if mode == "strided":
         return (Local(stride - 1, 0) | Stride(stride)) & Causal()
     if mode == "fixed":
-        _check_int("summary", summary, 1)
+        check_int("summary", summary, 1)
         return (Local(0, block_size=stride) | Sink(period=stride, width=summary)) & Causal()
     raise ValueError(f"mode must be 'strided' or 'fixed', got {mode!r}")
 
@@ -89,8 +90,8 @@ def streaming(sink: int = 4, window: int = 1020) -> Pattern:
 
     The defaults keep 1,024 keys per query, as in the StreamingLLM paper's cache.
     """
-    _check_int("sink", sink, 0)
-    _check_int("window", window, 1)
+    check_int("sink", sink, 0)
+    check_int("window", window, 1)
     recent = Local(window - 1, 0)
     return ((Sink(first=sink) | recent) if sink else recent) & Causal()
 
@@ -168,7 +169,7 @@ def declared_heads(path) -> int | None:
     """
     heads = _read(Path(path)).get("heads")
     if heads is not None:
-        _check_int(f"{path}: heads", heads, 1)
+        check_int(f"{path}: heads", heads, 1)
     return heads
 
 

@@ -295,6 +295,8 @@ def test_errors():
         register("local")
     with pytest.raises(ValueError, match="name must be a new attn_implementation name"):
         register(sa.Local(4), name="sdpa")
+    with pytest.raises(ValueError, match="backend must be one of .* got 'trition'"):
+        register(sa.Local(4), backend="trition")
     llama = AutoModel.from_config(_config("llama"))
     with pytest.raises(ValueError, match="to_long_model needs a BERT/RoBERTa-style model"):
         to_long_model(llama, 4096)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import sparse_attn as sa
 from sparse_attn import layout as layout_module
+from sparse_attn.layout import KernelIndex
 from sparse_attn.pattern import MAX_LENGTH
 from tests.test_pattern import EXTREME_CASES, EXTREME_RANDOM, EXTREMES, N
 
@@ -306,7 +307,7 @@ def test_more_blocks_than_int32_indices_hold_is_refused(monkeypatch):
 def built(pattern=sa.Local(9) | sa.Global(first=1), n=40, heads=2, block_size=8):
     """The tensors and arguments of a layout built by the library (a valid hand-built layout)."""
     layout = pattern.layout(n, heads=heads, block_size=block_size)
-    tensors = {name: getattr(layout, name).clone() for name in sa.BlockLayout._TENSORS}
+    tensors = {name: getattr(layout, name).clone() for name in KernelIndex._fields}
     return dict(pattern=pattern, n_q=n, n_k=n, heads=heads, block_size=block_size, causal=False, **tensors)
 
 

@@ -221,6 +221,7 @@ def test_default_backend_is_auto():
     (dict(pattern="local"), TypeError, "pattern must be a sparse_attn Pattern"),
     (dict(dropout=1.0), ValueError, r"dropout must be a float in \[0, 1\)"),
     (dict(backend=None), TypeError, "backend must be a str"),
+    (dict(backend="trition"), ValueError, r"backend must be one of \['auto', 'reference', 'numba', 'triton'\], got 'trition'"),
 ])
 def test_constructor_errors(kwargs, error, message):
     args = dict(embed_dim=E, num_heads=H, pattern=sa.Local(4)) | kwargs

@@ -15,10 +15,25 @@ from types import ModuleType
 MODULES = ("reference", "numba", "triton")
 
 
+def check_name(backend) -> str:
+    """``backend`` if it names a backend or "auto", else an error listing the choices.
+
+    >>> check_name("trition")
+    Traceback (most recent call last):
+    ...
+    ValueError: backend must be one of ['auto', 'reference', 'numba', 'triton'], got 'trition'
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {['auto', *MODULES]}, got {backend!r}")
+    if backend != "auto" and backend not in MODULES:
+        raise ValueError(f"backend must be one of {['auto', *MODULES]}, got {backend!r}")
+    return backend
+
+
 def load(name: str) -> ModuleType:
     """The backend module ``name``, or a RuntimeError that says why it cannot be used."""
-    if name not in MODULES:
-        raise ValueError(f"backend must be one of {['auto', *MODULES]}, got {name!r}")
+    if check_name(name) == "auto":
+        raise ValueError(f"load() takes a backend name, not 'auto': choose one of {list(MODULES)}")
     try:
         # import statements rather than importlib: torch.compile traces them, so even the first call of
         # a backend may happen inside a compiled function

@@ -547,9 +547,8 @@ def check(q, k, v, layout: BlockLayout) -> None:
 
 def attention(q, k, v, layout: BlockLayout, scale: float):
     """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
-    index = [getattr(layout, name) for name in BlockLayout._TENSORS]  # the order the custom ops take them
-    index[BlockLayout._TENSORS.index("masks")] = _block_tiles(layout).view(torch.uint8)  # bytes load everywhere
-    return _forward_op(q, k, v, index, layout.block_size, scale)
+    index = layout.index._replace(masks=_block_tiles(layout).view(torch.uint8))  # bytes load everywhere
+    return _forward_op(q, k, v, list(index), layout.block_size, scale)
 
 
 def _block_tiles(layout: BlockLayout) -> torch.Tensor:

@@ -37,6 +37,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from .. import backends
 from ..api import sparse_attention
 from ..pattern import Global, Local, Pattern
 
@@ -65,8 +66,7 @@ def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backe
                         f"got {type(pattern).__name__}: {pattern!r}")
     if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith(("flash", "flex")):
         raise ValueError(f"name must be a new attn_implementation name such as 'sparse_attn', got {name!r}")
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str ('auto', 'reference', 'numba' or 'triton'), got {backend!r}")
+    backends.check_name(backend)
     _REGISTERED[name] = (pattern, backend)
     AttentionInterface.register(name, _attention_function(name))
     AttentionMaskInterface.register(name, padding_mask)
