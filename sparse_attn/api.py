@@ -86,7 +86,7 @@ def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causa
             _check_call_mask(name, mask, batch, n)
         if global_mask is not None and n_q != n_k:
             raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), got n_q={n_q}, n_k={n_k}")
-        pattern._check_heads(heads)
+        pattern.check_heads(heads)
     else:
         raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
 

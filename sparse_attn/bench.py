@@ -44,7 +44,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .pattern import Global, Local, Pattern, Union, _Ctx
+from .pattern import Global, Local, Pattern, Union
 
 PATTERNS = {  # label -> PATTERN (expression or preset); the CLI parses these like any PATTERN argument
     "longformer": "Local(256) | Global(first=16)",
@@ -176,7 +176,7 @@ def _setup_longformer(pattern: Pattern, q):
     hidden = torch.randn(batch, n, heads * head_dim, device=q.device, requires_grad=q.requires_grad)  # (B, N, H*D)
     is_global = torch.zeros(batch, n, dtype=torch.bool, device=q.device)
     if glob is not None:
-        is_global[:, torch.from_numpy(glob._resolve(_Ctx(n, n, 0)).cols)] = True  # the pattern's own positions
+        is_global[:, torch.from_numpy(glob.positions(n))] = True  # the pattern's own positions
     mask = is_global.to(q.dtype) * 10000.0                                       # HF: +10000 global, 0 local
     is_masked = torch.zeros_like(is_global)
     return lambda: layer(hidden, attention_mask=mask, is_index_masked=is_masked, is_index_global_attn=is_global,

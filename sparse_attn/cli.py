@@ -295,7 +295,7 @@ def bench_patterns(labels: list[str], num_heads: int) -> dict[str, Pattern]:
     for label in labels:
         pattern, file_heads = parse_pattern(label, named=bench.PATTERNS)
         try:
-            pattern._check_heads(num_heads)
+            pattern.check_heads(num_heads)
         except ValueError as error:
             needed = file_heads or per_head_count(pattern)
             hint = f"; pass --num-heads {needed}" if needed else ""

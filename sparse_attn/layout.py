@@ -28,7 +28,7 @@ import torch
 
 from ._host import host_only
 from .checks import check_bool, check_int
-from .pattern import Pattern, _check_lengths, _check_pattern, _Ctx, _n_blocks, block_table, with_call_data
+from .pattern import Pattern, _check_lengths, check_pattern, _Ctx, _n_blocks, block_table, with_call_data
 
 _GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
 _TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
@@ -91,7 +91,7 @@ class BlockLayout:
     def __init__(self, *, pattern: Pattern | None, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
                  **tensors: torch.Tensor):
         if pattern is not None:
-            _check_pattern("BlockLayout pattern", pattern)
+            check_pattern("BlockLayout pattern", pattern)
         n_q, n_k = _check_lengths(n_q, n_k)
         names = set(tensors)
         if names != set(KernelIndex._fields):
@@ -255,7 +255,7 @@ class BlockLayout:
 
         if level not in ("block", "token"):
             raise ValueError(f"level must be 'block' or 'token', got {level!r}")
-        b, h = self._check_example_head(batch, head)
+        b, h = self.check_example_head(batch, head)
         if level == "token":
             rows, cols = [], []
             for r0 in range(0, self.n_q_blocks, 16):
@@ -337,7 +337,7 @@ class BlockLayout:
         return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=self.block_size,
                                         mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
 
-    def _check_example_head(self, batch: int, head: int) -> tuple[int, int]:
+    def check_example_head(self, batch: int, head: int) -> tuple[int, int]:
         batch, head = check_int("batch", batch), check_int("head", head)
         if not 0 <= batch < self.batch:
             raise ValueError(f"batch must be in [0, {self.batch}), got {batch}")
@@ -478,11 +478,11 @@ def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_
     Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
     the compiled function and pass it to ``sparse_attention``.
     """
-    _check_pattern("pattern", pattern)
+    check_pattern("pattern", pattern)
     n_q, n_k = _check_lengths(n_q, n_k)
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
     causal = check_bool("causal", causal)
-    pattern._check_heads(heads)
+    pattern.check_heads(heads)
     batch = None
     if global_mask is not None:
         global_mask = _check_token_mask("global_mask", global_mask, None, n_q)

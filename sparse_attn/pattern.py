@@ -139,11 +139,11 @@ class Pattern:
 
     # --- algebra -------------------------------------------------------------------------------
     def __or__(self, other: Pattern) -> Pattern:
-        _check_pattern("right operand of |", other)
+        check_pattern("right operand of |", other)
         return Union(self, other)
 
     def __and__(self, other: Pattern) -> Pattern:
-        _check_pattern("right operand of &", other)
+        check_pattern("right operand of &", other)
         return Intersection(self, other)
 
     # --- user-facing views ---------------------------------------------------------------------
@@ -158,7 +158,7 @@ class Pattern:
         import torch  # here, not at module level: specs and the CLI's --help need no torch
 
         n_q, n_k = _check_lengths(n_q, n_k)
-        self._check_heads(heads)
+        self.check_heads(heads)
         i = np.arange(n_q, dtype=np.int64)[:, None] + (n_k - n_q)       # query positions
         j = np.arange(n_k, dtype=np.int64)[None, :]
         per_head = self.head_dependent
@@ -224,10 +224,10 @@ class Pattern:
     def _children(self) -> tuple[Pattern, ...]:
         return ()
 
-    def _check_heads(self, heads: int) -> None:
+    def check_heads(self, heads: int) -> None:
         check_int("heads", heads, 1)
         for child in self._children():
-            child._check_heads(heads)
+            child.check_heads(heads)
 
     def _resolve(self, ctx: _Ctx) -> Pattern:
         """This pattern for one (n_q, n_k, head): sugar expanded, Random blocks chosen."""
@@ -283,7 +283,7 @@ def _depth_error(what: str, depth: int) -> ValueError:
                       f"and factor shared terms: (a & m) | (b & m) == (a | b) & m")
 
 
-def _check_pattern(name: str, value) -> None:
+def check_pattern(name: str, value) -> None:
     if not isinstance(value, Pattern):
         raise TypeError(f"{name} must be a sparse_attn Pattern, got {type(value).__name__}: {value!r}")
 
@@ -448,12 +448,20 @@ class Global(Pattern):
         _set_int(self, "first", 0)
         _set_int(self, "last", 0)
 
-    def _resolve(self, ctx):
-        n = ctx.n_k
+    def positions(self, n: int) -> np.ndarray:
+        """The global positions in a sequence of ``n`` tokens, sorted int64.
+
+        >>> Global(tokens=(5, 50), last=2).positions(10).tolist()
+        [5, 8, 9]
+        """
+        n = check_int("n", n, 0)
         explicit = np.asarray([t for t in self.tokens if t < n], dtype=np.int64)
         head = np.arange(min(self.first, n), dtype=np.int64)
         tail = np.arange(max(n - self.last, 0), n, dtype=np.int64)
-        positions = np.unique(np.concatenate([explicit, head, tail]))
+        return np.unique(np.concatenate([explicit, head, tail]))
+
+    def _resolve(self, ctx):
+        positions = self.positions(ctx.n_k)
         return _TokenGlobal(positions, positions)
 
 
@@ -615,7 +623,7 @@ def _set_members(node: Pattern, members: tuple[Pattern, ...], limit: int | None 
 def _flatten(cls, patterns) -> tuple[Pattern, ...]:
     flat = []
     for p in patterns:
-        _check_pattern(f"every member of {cls.__name__}", p)
+        check_pattern(f"every member of {cls.__name__}", p)
         flat.extend(p.patterns if type(p) is cls else (p,))
     return tuple(flat)
 
@@ -730,7 +738,7 @@ class PerHead(Pattern):
         if not patterns:
             raise ValueError("PerHead needs a non-empty list of patterns, one per query head")
         for p in patterns:
-            _check_pattern("every member of PerHead", p)
+            check_pattern("every member of PerHead", p)
         _set_members(self, patterns)
 
     def __repr__(self) -> str:
@@ -743,8 +751,8 @@ class PerHead(Pattern):
     def _children(self):
         return self.patterns
 
-    def _check_heads(self, heads):
-        super()._check_heads(heads)
+    def check_heads(self, heads):
+        super().check_heads(heads)
         if len(self.patterns) != heads:
             raise ValueError(f"PerHead has {len(self.patterns)} patterns but heads={heads}; "
                              f"give one pattern per query head")

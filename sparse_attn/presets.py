@@ -181,7 +181,7 @@ def load_pattern(path) -> Pattern:
     try:
         pattern = Pattern.from_dict(data["pattern"])
         if "heads" in data:
-            pattern._check_heads(data["heads"])
+            pattern.check_heads(data["heads"])
     except (ValueError, TypeError) as error:
         raise ValueError(f"{path}: {error}") from None
     return pattern
@@ -191,7 +191,7 @@ def save_pattern(pattern: Pattern, path, description: str = "", heads: int | Non
     """Write ``pattern`` as a TOML preset file."""
     doc = {"name": Path(path).stem, "description": description}
     if heads is not None:
-        pattern._check_heads(heads)
+        pattern.check_heads(heads)
         doc["heads"] = heads
     doc["pattern"] = pattern.to_dict()
     Path(path).write_text(to_toml(doc))

@@ -50,7 +50,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     if not heads:
         raise ValueError("heads must name at least one head to draw, got none; e.g. heads=[0]")
     for h in heads:
-        layout._check_example_head(batch, h)
+        layout.check_example_head(batch, h)
     if zoom is not None and (isinstance(zoom, bool) or not isinstance(zoom, int) or zoom < 1):
         raise ValueError(f"zoom must be a number of tokens >= 1 (or None for 4 blocks), got {zoom!r}")
     zoom = min(zoom or 4 * layout.block_size, layout.n_q, layout.n_k)
@@ -67,7 +67,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
         top.set_title(f"head {h}: blocks of {layout.block_size}" + (f" (binned {factor}x)" if factor > 1 else ""),
                       fontsize=9)
         top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
-        mask = zoom_mask[layout._check_example_head(batch, h)]
+        mask = zoom_mask[layout.check_example_head(batch, h)]
         bottom = axes[1, column]
         bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]), vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, zoom, zoom, 0))

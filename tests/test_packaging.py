@@ -21,7 +21,8 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
 
 @pytest.mark.parametrize("module", ["sparse_attn", "sparse_attn.pattern", "sparse_attn.layout", "sparse_attn.api",
                                     "sparse_attn.presets", "sparse_attn.weights", "sparse_attn.viz",
-                                    "sparse_attn.bench", "sparse_attn.cli", "sparse_attn.nn", "sparse_attn._host"])
+                                    "sparse_attn.bench", "sparse_attn.cli", "sparse_attn.nn", "sparse_attn._host",
+                                    "sparse_attn.checks", "sparse_attn.backends"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
