@@ -276,7 +276,7 @@ def cmd_show(args) -> None:
         raise UsageError(f"the layout of --seq-len {args.seq_len:,} with {n_heads:,} heads and --block-size "
                          f"{args.block_size:,} cannot be built here ({type(error).__name__}: {error}); use a "
                          f"smaller --seq-len, --num-heads or --block-size") from None
-    dense_flops = 4 * args.head_dim * args.seq_len * args.seq_len * n_heads
+    dense_flops = layout.dense_flops(args.head_dim)
     print(layout)
     print(f"  forward FLOPs (head_dim {args.head_dim}) {layout.flops(args.head_dim):.3g} = "
           f"{layout.flops(args.head_dim) / dense_flops:.2%} of dense ({dense_flops:.3g})")

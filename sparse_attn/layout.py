@@ -218,6 +218,17 @@ class BlockLayout:
         check_int("head_dim", head_dim, 1)
         return 4 * head_dim * self.computed_pairs()
 
+    def dense_flops(self, head_dim: int) -> int:
+        """Forward FLOPs of dense attention at the same shape (every pair, every head and example).
+
+        >>> import sparse_attn as sa
+        >>> lay = sa.Local(64).layout(1024, heads=2)
+        >>> lay.dense_flops(64), round(lay.flops(64) / lay.dense_flops(64), 3)
+        (536870912, 0.312)
+        """
+        check_int("head_dim", head_dim, 1)
+        return 4 * head_dim * self.n_q * self.n_k * self.heads * self.batch
+
     # --- dense views (small N) -----------------------------------------------------------------
     def row_mask(self, r0: int, r1: int) -> torch.Tensor:
         """Token mask of query blocks r0..r1-1: bool (Bl, Hl, rows, n_k), rows clipped to n_q."""
