@@ -224,7 +224,7 @@ class BlockLayout:
         >>> import sparse_attn as sa
         >>> lay = sa.Local(64).layout(1024, heads=2)
         >>> lay.dense_flops(64), round(lay.flops(64) / lay.dense_flops(64), 3)
-        (536870912, 0.312)
+        (536870912, 0.18)
         """
         check_int("head_dim", head_dim, 1)
         return 4 * head_dim * self.n_q * self.n_k * self.heads * self.batch
