@@ -322,7 +322,7 @@ def test_gradcheck_float64():
 
 def _op_args(dtype=torch.float32):
     (q, k, v), layout = _inputs(CASES[IDS.index("gqa")], dtype)
-    return (q, k, v, *numba_cpu._layout_tensors(layout), layout.block_size, 0.25)
+    return (q, k, v, *layout.index, layout.block_size, 0.25)
 
 
 def test_opcheck():

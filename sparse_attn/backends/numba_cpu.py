@@ -71,10 +71,11 @@ than in the forward's (float32; float64 agrees here), and ``exp2`` turns an abso
 score into a relative error of P (with scale=1e10, 3 ulps turned P = 1 into 0). So the backward
 computes S with the forward's alpha, takes ``S - m`` against the forward's exact ``m`` and
 ``log2 l`` separately (no rounded lse in between), sets the score of each row's maximum to ``m``
-exactly (``_pin_maxima``: that P is then the forward's ``1 / l``), caps ``P`` at ``1 / l``, and
-forms that pair's ``dP - delta`` as ``dO . (v - out) + dlse`` (``_max_pair_grads``: exactly
-``dlse`` for a one-hot row, where two large dot products would cancel to a rounding error).
-Other pairs keep the errors torch's own float32 softmax has.
+exactly (``_pin_maxima``: that P is then the forward's ``1 / l``), caps ``P`` at ``1 / l``, and,
+for rows whose softmax is one-hot in the dtype (``l = 1``), forms that pair's ``dP - delta`` as
+``dO . (v - out) + dlse`` (``_max_pair_grads``: exactly ``dlse``, where two large dot products
+would cancel to a rounding error that dq and dk multiply by ``scale |k|``). Other pairs keep the
+errors torch's own float32 softmax has.
 
 Non-finite inputs: the result is the reference's restricted to the allowed pairs: a NaN or inf in
 q, k or v reaches exactly the outputs and gradients of the pairs that meet it; an empty row stays 0,
@@ -140,12 +141,8 @@ def attention(q, k, v, layout: BlockLayout, scale: float):
     dtype = q.dtype
     if dtype in _HALF:
         q, k, v = q.float(), k.float(), v.float()
-    out, lse, _, _ = numba_attention(q, k, v, *_layout_tensors(layout), layout.block_size, scale)
+    out, lse, _, _ = numba_attention(q, k, v, *layout.index, layout.block_size, scale)
     return out.to(dtype), lse
-
-
-def _layout_tensors(layout: BlockLayout) -> list[torch.Tensor]:
-    return [getattr(layout, name) for name in BlockLayout._TENSORS]
 
 
 @functools.cache
@@ -275,7 +272,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     with _KERNELS.running():
         _delta(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
                dlse.view(rows).numpy(), _as(q, 0), delta.view(rows).numpy())
-        _backward_kernel(*qkv, out.numpy(), dlse.numpy(), *per_row, full_t_ptr.numpy(), full_t_idx.numpy(),
+        maxima = _maxima_by_key_block(per_row[3], block_size, full_t_ptr.shape[2] - 1)
+        _backward_kernel(*qkv, out.numpy(), dlse.numpy(), *per_row, *maxima, full_t_ptr.numpy(), full_t_idx.numpy(),
                          part_t_ptr.numpy(), part_t_idx.numpy(), part_t_mask.numpy(), masks.numpy(),
                          _tile_spans(masks, 0), ptr, tasks, block_size, _panel_blocks(block_size), *scales, dq.numpy(),
                          dq_parts.numpy(), dk.numpy(), dv.numpy())
@@ -519,25 +517,39 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _row_max(row, start, lanes):
-    """(max(start, row), first, step) of a 1-D row, skipping NaN, with ``lanes`` (a scratch array,
+    """(max(start, row), where) of a 1-D row, skipping NaN, with ``lanes`` (a scratch array,
     (_LANES,)) holding running maxima of the row's columns mod _LANES: this loop vectorises (x86
     max instructions are this select, NaN included), a single running max does not (LLVM
     vectorises float max reductions only under no-NaN flags, which would make a NaN score
-    undefined). Where the max exceeds start, it is in columns first, first + step, ..."""
+    undefined). Where the max exceeds start, ``where`` tells _column_of where it is."""
     n = row.size
     lanes[:] = start
     for j0 in range(0, n - _LANES + 1, _LANES):
         for u in range(_LANES):
             x = row[j0 + u]
             lanes[u] = x if x > lanes[u] else lanes[u]
-    best, first, step = start, 0, _LANES
+    best, where = start, 0
     for u in range(_LANES):
-        if lanes[u] > best:
-            best, first = lanes[u], u
+        more = lanes[u] > best
+        best, where = (lanes[u], u) if more else (best, where)
     for j in range(n - n % _LANES, n):
-        if row[j] > best:
-            best, first, step = row[j], j, 1
-    return best, first, step
+        more = row[j] > best
+        best, where = (row[j], j) if more else (best, where)
+    return best, where
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _column_of(row, value, where):
+    """The first column of the row holding ``value``, the maximum _row_max found with ``where``: a
+    column of the tail, or a lane (columns where, where + _LANES, ...; selects over a fixed count
+    rather than an early exit, which would be a mispredicted branch per row)."""
+    groups = row.size - row.size % _LANES
+    if where >= groups:
+        return where
+    j = groups
+    for j0 in range(groups - _LANES + where, -1, -_LANES):
+        j = j0 if row[j0] == value else j
+    return j
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -550,16 +562,6 @@ def _has_nan(row):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _key_of(row, value, first, step, blocks, block_size):
-    """The key of the first of panel columns first, first + step, ... holding ``value`` (panel
-    position t starts at column t * block_size and holds key block blocks[t])."""
-    j = first
-    while row[j] != value:
-        j += step
-    return blocks[j // block_size] * block_size + j % block_size
-
-
-@njit(cache=True, fastmath=_FASTMATH)
 def _online_softmax(s, m, l, acc, lanes, blocks, block_size, argmax):
     """s (rows, W) base-2 scores -> probabilities relative to the updated running max m;
     rescales the running sum l and the output accumulator acc (rows, D) accordingly, and keeps
@@ -567,16 +569,17 @@ def _online_softmax(s, m, l, acc, lanes, blocks, block_size, argmax):
     rows, width = s.shape
     for i in range(rows):
         row = s[i]
-        m_new, first, step = _row_max(row, m[i], lanes)
+        m_new, where = _row_max(row, m[i], lanes)
         if m_new == -np.inf:                             # nothing allowed yet in this row, or NaN
             if _has_nan(row):
                 l[i] = np.nan
             row[:] = 0
             continue
-        if m_new > m[i]:
-            argmax[i] = _key_of(row, m_new, first, step, blocks, block_size)
+        if m_new > m[i]:                                 # a new max: its key (panel position t holds
+            j = _column_of(row, m_new, where)            # key block blocks[t] from column t * block_size)
+            argmax[i] = blocks[j // block_size] * block_size + j % block_size
         alpha = _exp2(m[i] - m_new)                      # NaN for m = m_new = +inf: l becomes NaN
-        total = l[i] - l[i]                              # a zero of the dtype (NaN if l is NaN)
+        total = l[i] - l[i]                              # a zero of the dtype
         for j in range(width):
             p = _exp2(row[j] - m_new)
             row[j] = p
@@ -587,34 +590,74 @@ def _online_softmax(s, m, l, acc, lanes, blocks, block_size, argmax):
         m[i] = m_new
 
 
+@njit(cache=True, parallel=True)
+def _maxima_by_key_block(argmax, block_size, n_kb):
+    """The queries whose row maximum is in each key block, ascending: queries[b, h, ptr[b, h, c]:
+    ptr[b, h, c + 1]] for key block c (CSR, built by counting). argmax (B, H, Nq), -1 for none."""
+    batch, heads, n_q = argmax.shape
+    ptr = np.zeros((batch, heads, n_kb + 1), np.int64)
+    queries = np.empty((batch, heads, n_q), np.int64)
+    for bh in prange(batch * heads):
+        b, h = bh // heads, bh % heads
+        for i in range(n_q):
+            if argmax[b, h, i] >= 0:
+                ptr[b, h, argmax[b, h, i] // block_size + 1] += 1
+        for c in range(n_kb):
+            ptr[b, h, c + 1] += ptr[b, h, c]
+        fill = ptr[b, h, :n_kb].copy()
+        for i in range(n_q):
+            if argmax[b, h, i] >= 0:
+                c = argmax[b, h, i] // block_size
+                queries[b, h, fill[c]] = i
+                fill[c] += 1
+    return ptr, queries
+
+
 @njit(cache=True, fastmath=_FASTMATH)
-def _pin_maxima(st, argmax, row_max, j0):
+def _panel_maxima(blocks, count, block_size, maxima, e, pins):
+    """Writes into pins (2, capacity) the (panel column, query) of the queries maxima[e:] (ascending:
+    those whose row maximum is in the task's key block) that fall in the panel's query blocks
+    blocks[:count]; returns (how many, the next e). Panels come in block order, so one merge."""
+    n = 0
+    for t in range(count):
+        start = blocks[t] * block_size
+        while e < maxima.size and maxima[e] < start + block_size:
+            pins[0, n] = t * block_size + maxima[e] - start
+            pins[1, n] = maxima[e]
+            n += 1
+            e += 1
+    return n, e
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _pin_maxima(st, pins, count, argmax, row_max, j0):
     """Sets S.T of each query's maximum to the forward's row max, bitwise: BLAS rounds a score
     differently in the backward's matmul shapes, and exp2 would amplify the difference (3 ulps of a
-    score of 1e11 makes P 0 instead of 1). st (cols, n) holds key block j0's scores against the
-    n queries of argmax and row_max (n,)."""
-    cols, n = st.shape
-    for i in range(n):
-        jj = argmax[i] - j0
-        if 0 <= jj < cols:
-            st[jj, i] = row_max[i]
+    score of 1e11 makes P 0 instead of 1). st (cols, W): key block j0's scores against a panel of
+    queries; pins[:, :count] (panel column, query) from _panel_maxima."""
+    for e in range(count):
+        i = pins[1, e]
+        st[argmax[i] - j0, pins[0, e]] = row_max[i]
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _max_pair_grads(st, dpt, argmax, do, out, dlse, vc, j0):
-    """Sets dS.T of each query's maximum to P (dO . (v - out) + dlse), which is P (dP - delta)
-    without subtracting two large dot products: for a row whose softmax is one-hot (P = 1), out = v
-    exactly and this is exactly P dlse, where dP - delta would leave a rounding error that dq and dk
-    multiply by scale |k|. st, dpt (cols, n) hold dS.T and P.T of key block j0's keys vc (cols, D)
-    against the n queries of argmax, do, out (n, D) and dlse (n,)."""
-    cols, n = st.shape
-    for i in range(n):
+def _max_pair_grads(st, dpt, pins, count, argmax, log2_sum, do, out, dlse, vc, j0):
+    """For rows whose softmax is one-hot in the dtype (l = 1: every other term is below an ulp),
+    sets dS.T of the maximum to P (dO . (v - out) + dlse), which is P (dP - delta) without
+    subtracting two large dot products: out = v there, so this is P dlse, where dP - delta would
+    leave a rounding error that dq and dk multiply by scale |k| (torch gets these rows exact too;
+    elsewhere its softmax backward cancels as much). st, dpt (cols, W) hold dS.T and P.T of key
+    block j0's keys vc (cols, D); do, out (Nq, D), log2_sum and dlse (Nq,) of the query head; pins
+    as in _pin_maxima."""
+    for e in range(count):
+        c, i = pins[0, e], pins[1, e]
+        if log2_sum[i] != 0:
+            continue
         jj = argmax[i] - j0
-        if 0 <= jj < cols:
-            total = dlse[i]
-            for d in range(do.shape[1]):
-                total += do[i, d] * (vc[jj, d] - out[i, d])
-            st[jj, i] = dpt[jj, i] * total
+        total = dlse[i]
+        for d in range(do.shape[1]):
+            total += do[i, d] * (vc[jj, d] - out[i, d])
+        st[jj, c] = dpt[jj, c] * total
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -671,10 +714,17 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, spans, b
             _gemm(one, s[:, off + lo:off + hi], False, v[j0 + lo:j0 + hi], False, one, acc[:rows])
             t = end
     for i in range(rows):
-        if l[i] > 0 and _normalise(acc[i], l[i], out[i]):
-            lse[i] = (np.float64(m[i]) + math.log2(np.float64(l[i]))) * _LN2     # rounded once
+        finite = l[i] > 0                                # out = acc / l; every value finite?
+        if finite:                                       # (a comparison false for NaN and inf: no
+            inv = 1 / l[i]                               # fastmath flag assumes them away)
+            for d in range(dim):
+                out[i, d] = acc[i, d] * inv
+                finite &= abs(out[i, d]) < np.inf
+        if finite:
+            log2_l = np.log2(l[i])
+            lse[i] = (np.float64(m[i]) + np.float64(log2_l)) * _LN2              # rounded once
             row_max[i] = m[i]
-            log2_sum[i] = np.log2(l[i])
+            log2_sum[i] = log2_l
         elif l[i] == 0 and not _row_has_key(i, full_blocks, p_tile, pa0, pb, masks):  # no allowed key
             out[i] = 0
             lse[i], row_max[i], log2_sum[i], argmax[i] = -np.inf, np.inf, 0, -1
@@ -683,22 +733,15 @@ def _forward_row(q, k, v, n_k, idx, a, b, p_idx, p_tile, pa, pb, masks, spans, b
                 i, q[i], k, v, idx, a0, b, p_idx, p_tile, pa0, pb, masks, block_size, scale, qscale, out[i])
 
 
-@njit(cache=True, fastmath=_FASTMATH)
-def _normalise(acc, l, out):
-    """out = acc / l (D,); whether every value is finite."""
-    inv = 1 / l
-    for d in range(out.size):
-        out[d] = acc[d] * inv
-    return _finite(out)
-
-
 @njit(cache=True, fastmath=False)
 def _finite(x):
-    """Whether no value of the 1-D array x is NaN or inf (false for both in the comparison)."""
-    for value in x:
-        if not abs(value) < np.inf:
-            return False
-    return True
+    """Whether no value of the 2-D array x is NaN or inf (false for both in the comparison; no early
+    exit, so the loop vectorises)."""
+    finite = True
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            finite &= abs(x[i, j]) < np.inf
+    return finite
 
 
 @njit(cache=True, fastmath=False)
@@ -844,19 +887,21 @@ def _static_schedule(order, costs, n_workers):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _backward_head(kc, vc, j0, q, do, out, dlse, row_max, log2_sum, argmax, delta, n_q, idx, a, b, p_idx, p_tile, pa,
-                   pb, masks, spans, block_size, max_blocks, qscale, scale, scores, dscores, row_max_p, log2_sum_p,
-                   delta_p, blocks, tiles, dk, dv, dq):
+def _backward_head(kc, vc, j0, q, do, out, dlse, row_max, log2_sum, argmax, delta, maxima, n_q, idx, a, b, p_idx, p_tile,
+                   pa, pb, masks, spans, block_size, max_blocks, qscale, scale, scores, dscores, row_max_p, log2_sum_p,
+                   delta_p, pins, blocks, tiles, dk, dv, dq):
     """One key block (its first key j0) against one query head: adds to dk, dv (cols, D) and to
     that head's dq (Nq, D). kc, vc (cols, D); q, do, out (Nq, D) and dlse, row_max, log2_sum,
-    argmax, delta (Nq,) of the query head."""
+    argmax, delta (Nq,) of the query head; maxima: its queries whose row maximum is in this block."""
     cols, dim = kc.shape
     zero, one = scale - scale, scale / scale
+    e = 0
     while a < b or pa < pb:
         count, a, pa = _next_panel(idx, a, b, p_idx, p_tile, pa, pb, max_blocks, blocks, tiles)
         width = _panel_width(blocks, count, block_size, n_q)
         st = _panel(scores, cols, width)                                         # (cols, W) = S.T
         dpt = _panel(dscores, cols, width)                                       # (cols, W) = dP.T
+        pinned, e = _panel_maxima(blocks, count, block_size, maxima, e, pins)
         t = 0
         while t < count:                                                         # run by run of query blocks
             end, i0, n = _run(blocks, t, count, block_size, n_q)
@@ -864,7 +909,6 @@ def _backward_head(kc, vc, j0, q, do, out, dlse, row_max, log2_sum, argmax, delt
             off = t * block_size
             a0, a1 = i0 + lo, i0 + hi
             _gemm(qscale, kc, False, q[a0:a1], True, zero, st[:, off + lo:off + hi])   # as the forward: alpha
-            _pin_maxima(st[:, off + lo:off + hi], argmax[a0:a1], row_max[a0:a1], j0)
             _gemm(one, vc, False, do[a0:a1], True, zero, dpt[:, off + lo:off + hi])
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0
@@ -872,14 +916,15 @@ def _backward_head(kc, vc, j0, q, do, out, dlse, row_max, log2_sum, argmax, delt
             log2_sum_p[off:off + n] = log2_sum[i0:i0 + n]
             delta_p[off:off + n] = delta[i0:i0 + n]
             t = end
+        _pin_maxima(st, pins, pinned, argmax, row_max, j0)
         _mask_panel(st, tiles, count, block_size, masks, True)
         _grad_scores_t(st, dpt, row_max_p[:width], log2_sum_p[:width], delta_p[:width], zero)  # st = dS.T, dpt = P.T
+        _max_pair_grads(st, dpt, pins, pinned, argmax, log2_sum, do, out, dlse, vc, j0)
         t = 0
         while t < count:
             end, i0, n = _run(blocks, t, count, block_size, n_q)
             lo, hi = _run_span(t, end, n, tiles, spans)
             a0, a1, c0, c1 = i0 + lo, i0 + hi, t * block_size + lo, t * block_size + hi
-            _max_pair_grads(st[:, c0:c1], dpt[:, c0:c1], argmax[a0:a1], do[a0:a1], out[a0:a1], dlse[a0:a1], vc, j0)
             _gemm(one, dpt[:, c0:c1], False, do[a0:a1], False, one, dv)             # dv += P.T @ dO
             _gemm(scale, st[:, c0:c1], False, q[a0:a1], False, one, dk)             # dk += dS.T @ q
             _gemm(scale, st[:, c0:c1], True, kc, False, one, dq[a0:a1])             # dq += dS @ k
@@ -887,9 +932,9 @@ def _backward_head(kc, vc, j0, q, do, out, dlse, row_max, log2_sum, argmax, delt
 
 
 @njit(cache=True, fastmath=_FASTMATH, parallel=True)
-def _backward_kernel(q, k, v, dout, out, dlse, lse, row_max, log2_sum, argmax, delta, full_t_ptr, full_t_idx,
-                     part_t_ptr, part_t_idx, part_t_mask, masks, spans, ptr, tasks, block_size, max_blocks, qscale,
-                     scale, dq, dq_parts, dk, dv):
+def _backward_kernel(q, k, v, dout, out, dlse, lse, row_max, log2_sum, argmax, delta, maxima_ptr, maxima,
+                     full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, spans, ptr, tasks, block_size,
+                     max_blocks, qscale, scale, dq, dq_parts, dk, dv):
     """One pass over key blocks. Worker w runs its static share ``tasks[ptr[w]:ptr[w + 1]]``; each
     task zeroes and then accumulates its own rows of dk and dv (recomputing by the exact path the
     rows that are not finite), and adds its dQ terms to worker w's buffer (dq itself for w = 0,
@@ -905,6 +950,7 @@ def _backward_kernel(q, k, v, dout, out, dlse, lse, row_max, log2_sum, argmax, d
         row_max_p = np.empty(max_blocks * block_size, q.dtype)
         log2_sum_p = np.empty(max_blocks * block_size, q.dtype)
         delta_p = np.empty(max_blocks * block_size, q.dtype)
+        pins = np.empty((2, max_blocks * block_size), np.int64)
         blocks = np.empty(max_blocks, np.int64)
         tiles = np.empty(max_blocks, np.int64)
         buffer = dq if w == 0 else dq_parts[w - 1]
@@ -920,13 +966,16 @@ def _backward_kernel(q, k, v, dout, out, dlse, lse, row_max, log2_sum, argmax, d
             for h in range(g * group, (g + 1) * group):
                 lh = 0 if shared_h else h
                 _backward_head(k[b, g, j0:j0 + cols], v[b, g, j0:j0 + cols], j0, q[b, h], dout[b, h], out[b, h],
-                               dlse[b, h], row_max[b, h], log2_sum[b, h], argmax[b, h], delta[b, h], n_q, full_t_idx,
+                               dlse[b, h], row_max[b, h], log2_sum[b, h], argmax[b, h], delta[b, h],
+                               maxima[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]], n_q, full_t_idx,
                                full_t_ptr[lb, lh, c], full_t_ptr[lb, lh, c + 1], part_t_idx, part_t_mask,
                                part_t_ptr[lb, lh, c], part_t_ptr[lb, lh, c + 1], masks, spans, block_size, max_blocks,
-                               qscale, scale, scores, dscores, row_max_p, log2_sum_p, delta_p, blocks, tiles,
+                               qscale, scale, scores, dscores, row_max_p, log2_sum_p, delta_p, pins, blocks, tiles,
                                dk[b, g, j0:j0 + cols], dv[b, g, j0:j0 + cols], buffer[b, h])
+            if _finite(dk[b, g, j0:j0 + cols]) and _finite(dv[b, g, j0:j0 + cols]):
+                continue
             for j in range(j0, j0 + cols):
-                if not (_finite(dk[b, g, j]) and _finite(dv[b, g, j])):
+                if not (_finite(dk[b, g, j:j + 1]) and _finite(dv[b, g, j:j + 1])):
                     _exact_dk_dv(b, g, j, q, k, v, dout, lse, row_max, log2_sum, argmax, delta, full_t_ptr, full_t_idx,
                                  part_t_ptr, part_t_idx, part_t_mask, masks, block_size, qscale, scale, dk[b, g, j],
                                  dv[b, g, j])
@@ -957,7 +1006,7 @@ def _sum_parts(dq, dq_parts, not_finite):
         for p in range(dq_parts.shape[0]):
             for d in range(dim):
                 dq[i, d] += dq_parts[p, i, d]
-        not_finite[i] = not _finite(dq[i])
+        not_finite[i] = not _finite(dq[i:i + 1])
 
 
 @njit(cache=True, fastmath=False)
