@@ -1,12 +1,11 @@
 """Writes docs/patterns.md from the preset files: python docs/make_patterns_page.py
 
-The densities are the ones ``sparse-attn patterns`` prints (``sparse_attn.cli.preset_rows``).
+The densities are the ones ``sparse-attn patterns`` prints (``sparse_attn.presets.preset_rows``).
 """
 from pathlib import Path
 
 import sparse_attn as sa
-from sparse_attn.cli import preset_rows
-from sparse_attn.presets import preset_path
+from sparse_attn.presets import preset_path, preset_rows
 
 
 def main() -> None:

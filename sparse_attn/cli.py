@@ -5,173 +5,33 @@
     sparse-attn show "Local(64) | Global(first=2)" --seq-len 4k [--heads 0,1] [--out fig.png]
     sparse-attn bench --quick                         time and memory versus N, JSON + markdown + PNG
 
-PATTERN arguments are a preset name (``bigbird-itc``), a TOML file (a path ending in ``.toml``, or
-one with a ``/`` and no call in it), or an expression over the pattern constructors, parsed with ``ast`` and evaluated
-by walking the tree (no ``eval``): calls, int/str/bool constants, lists/tuples, keyword
-arguments, unary minus, ``|`` and ``&``. Sizes take ``k`` (1024) and ``M`` (1024**2) suffixes.
-Errors in the arguments print ``sparse-attn: error: ...`` and exit with status 2, before any work.
+PATTERN arguments are a preset name (``bigbird-itc``), a TOML file or an expression over the pattern
+constructors, read by ``sparse_attn.expression.parse_pattern``. Sizes take ``k`` (1024) and ``M``
+(1024**2) suffixes. Errors in the arguments print ``sparse-attn: error: ...`` and exit with status 2,
+before any work.
 
-``--help`` imports neither torch nor matplotlib; each subcommand imports what it uses.
+This module parses arguments, calls the library and prints; ``--help`` imports neither torch nor
+matplotlib; each subcommand imports what it uses.
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import functools
 import importlib.util
 import math
-import operator
 import os
 import platform
-import re
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import presets
-from .pattern import Causal, Dense, Dilated, Global, Local, Pattern, PerHead, Random, Sink, Stride
-
-CONSTRUCTORS = {
-    "Local": Local, "Stride": Stride, "Dilated": Dilated, "Global": Global, "Sink": Sink, "Random": Random,
-    "Causal": Causal, "Dense": Dense, "PerHead": PerHead, "longformer": presets.longformer,
-    "bigbird": presets.bigbird, "sparse_transformer": presets.sparse_transformer, "streaming": presets.streaming,
-    "preset": presets.preset,
-}
-_NAME = re.compile(r"[A-Za-z][\w-]*")    # a preset name (or a benchmark label), never an expression or a path
-_BAD_ARGUMENT = (ValueError, TypeError, OverflowError, MemoryError, RecursionError)  # what bad sizes or patterns raise
+from .expression import PatternTextError, parse_pattern, per_head_count
+from .pattern import Pattern
 
 
 class UsageError(Exception):
     """A bad argument: printed as ``sparse-attn: error: ...``, exit status 2."""
-
-
-# ------------------------------------------------------------------------------------------------
-# PATTERN arguments
-# ------------------------------------------------------------------------------------------------
-def parse_pattern(text: str, named: dict[str, str] | None = None) -> tuple[Pattern, int | None]:
-    """A preset name, a TOML file or a safe expression -> (pattern, heads the file asks for or None).
-
-    ``named`` maps extra names (the benchmark's labels) to PATTERN strings.
-
-    >>> parse_pattern("Local(64) | Global(first=2)")
-    (Local(64) | Global(first=2), None)
-    >>> parse_pattern("bigbird-itx")
-    Traceback (most recent call last):
-    ...
-    sparse_attn.cli.UsageError: no preset named 'bigbird-itx'; did you mean bigbird-itc? ...
-    >>> parse_pattern("__import__('os')")
-    Traceback (most recent call last):
-    ...
-    sparse_attn.cli.UsageError: pattern expression: '__import__' is not a pattern constructor; use one of ...
-    """
-    named = named or {}
-    if text in named:
-        return parse_pattern(named[text])
-    if text.endswith(".toml") or ("/" in text or os.sep in text) and "(" not in text:  # expressions call
-        return _load_file(text)
-    if _NAME.fullmatch(text) and text not in CONSTRUCTORS:
-        return _load_preset(text, named)
-    return _parse_expression(text), None
-
-
-def _load_file(text: str) -> tuple[Pattern, int | None]:
-    try:
-        return presets.load_pattern(text), presets.declared_heads(text)
-    except _BAD_ARGUMENT as error:
-        raise UsageError(str(error)) from None
-
-
-def _load_preset(name: str, named: dict[str, str]) -> tuple[Pattern, int | None]:
-    choices = list(dict.fromkeys([*named, *presets.list_presets()]))
-    if name not in choices:
-        raise UsageError(f"no preset named {name!r}; {presets.did_you_mean(name, choices)}PATTERN is one of "
-                         f"{', '.join(choices)}, a .toml file or an expression such as 'Local(64) | Global(first=2)'")
-    path = presets.preset_path(name)
-    return presets.load_pattern(path), presets.declared_heads(path)
-
-
-def _parse_expression(text: str) -> Pattern:
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as error:
-        raise UsageError(f"pattern {text[:80]!r} is not a preset ({', '.join(presets.list_presets())}), a .toml "
-                         f"file or a valid expression: {error.msg}") from None
-    except (RecursionError, MemoryError):
-        raise UsageError(f"pattern expression of {len(text):,} characters nests too deeply for Python's parser; "
-                         f"write it to a .toml file with sa.save_pattern") from None
-    except UnicodeError:  # bytes that are not UTF-8 arrive as surrogates
-        raise UsageError(f"pattern {text!r} is not valid UTF-8 text") from None
-    try:
-        value = _evaluate(tree.body)
-    except UsageError:
-        raise
-    except _BAD_ARGUMENT as error:
-        raise UsageError(f"pattern expression {text[:200]!r}: {error or type(error).__name__}") from None
-    if not isinstance(value, Pattern):
-        raise UsageError(f"pattern expression {text!r} gives a {type(value).__name__}, not a Pattern; "
-                         f"call it, e.g. 'longformer()'")
-    return value
-
-
-def _operands(node: ast.BinOp) -> list[ast.AST]:
-    """``a | b | c`` parses as ``(a | b) | c``: its operands left to right, without recursion."""
-    op, operands = type(node.op), []
-    while isinstance(node, ast.BinOp) and isinstance(node.op, op):
-        operands.append(node.right)
-        node = node.left
-    return [node, *reversed(operands)]
-
-
-def _evaluate(node: ast.AST):
-    """Walk an expression tree that may only build patterns."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, str, bool)):
-        return node.value
-    if isinstance(node, (ast.List, ast.Tuple)):
-        items = [_evaluate(item) for item in node.elts]
-        return items if isinstance(node, ast.List) else tuple(items)
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        value = _evaluate(node.operand)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UsageError(f"pattern expression: unary minus applies to ints only, got {value!r}")
-        return -value
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitOr, ast.BitAnd)):
-        values = [_evaluate(operand) for operand in _operands(node)]
-        for value in values:
-            if not isinstance(value, Pattern):
-                raise UsageError(f"pattern expression: '|' and '&' combine patterns, got {value!r}")
-        return functools.reduce(operator.or_ if isinstance(node.op, ast.BitOr) else operator.and_, values)
-    if isinstance(node, ast.Call):
-        if not isinstance(node.func, ast.Name) or node.func.id not in CONSTRUCTORS:
-            name = node.func.id if isinstance(node.func, ast.Name) else ast.unparse(node.func)
-            raise UsageError(f"pattern expression: {name!r} is not a pattern constructor; use one of "
-                             f"{', '.join(CONSTRUCTORS)}")
-        if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
-            raise UsageError("pattern expression: *args and **kwargs are not allowed")
-        args = [_evaluate(a) for a in node.args]
-        kwargs = {k.arg: _evaluate(k.value) for k in node.keywords}
-        return CONSTRUCTORS[node.func.id](*args, **kwargs)
-    if isinstance(node, ast.Name) and node.id in CONSTRUCTORS:
-        raise UsageError(f"pattern expression: {node.id} must be called, e.g. {node.id}(...)")
-    if isinstance(node, ast.Name):
-        raise UsageError(f"{node.id!r} is not a preset ({', '.join(presets.list_presets())}), a .toml file or a "
-                         f"pattern expression such as 'Local(64) | Global(first=2)'")
-    raise UsageError(f"pattern expression: {ast.unparse(node)[:80]!r} is not allowed; use pattern constructors "
-                     f"({', '.join(CONSTRUCTORS)}), int/str/bool constants, lists, '|' and '&'")
-
-
-def per_head_count(pattern: Pattern) -> int | None:
-    """The number of heads a ``PerHead`` inside ``pattern`` asks for, None without one.
-
-    >>> per_head_count(PerHead([Local(1), Dense()]) | Global(first=1))
-    2
-    """
-    lengths, stack = set(), [pattern]
-    while stack:  # iterative: expressions may nest deeply
-        node = stack.pop()
-        if isinstance(node, PerHead):
-            lengths.add(len(node.patterns))
-        stack.extend(getattr(node, "patterns", ()))      # the members of PerHead, | and &
-    return lengths.pop() if len(lengths) == 1 else None  # several lengths: the layout says which is wrong
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,14 +78,15 @@ def _check_bench_dir(out: Path, overwrite: bool) -> None:
 def cmd_info(args) -> None:
     import torch
 
-    from . import backends, bench
+    from . import backends, machine
 
-    print(f"sparse_attn {bench.versions(['sparse-attn'])['sparse-attn'] or '(not installed)'}")
+    print(f"sparse_attn {machine.versions(['sparse-attn'])['sparse-attn'] or '(not installed)'}")
     print(f"Python {platform.python_version()} ({platform.platform()})")
-    for package, version in bench.versions(("torch", "numba", "triton", "transformers", "matplotlib", "tqdm")).items():
+    for package, version in machine.versions(("torch", "numba", "triton", "transformers", "matplotlib",
+                                              "tqdm")).items():
         print(f"{package:<13}{version or 'not installed'}")
     print("devices:")
-    print(f"  cpu          {platform.machine()}, {bench.cpus()} CPUs, torch threads {torch.get_num_threads()}")
+    print(f"  cpu          {platform.machine()}, {machine.cpus()} CPUs, torch threads {torch.get_num_threads()}")
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             print(f"  cuda:{index}       {torch.cuda.get_device_name(index)}")
@@ -237,18 +98,8 @@ def cmd_info(args) -> None:
         print(f"  {name:<12} {'available' if ok else 'unavailable'}" + (f": {reason}" if reason else ""))
 
 
-def preset_rows() -> list[tuple[str, str, int, float, float]]:
-    """(name, description, heads, token density at 4K, at 16K) per preset."""
-    rows = []
-    for name, description in presets.list_presets().items():
-        pattern, heads = parse_pattern(name)
-        d4, d16 = (pattern.layout(n, heads=heads or 1).density for n in (4096, 16384))
-        rows.append((name, description, heads or 1, d4, d16))
-    return rows
-
-
 def cmd_patterns(args) -> None:
-    rows = preset_rows()
+    rows = presets.preset_rows()
     width = max(len(r[0]) for r in rows)
     print(f"{'preset':<{width}}  {'@4K':>7}  {'@16K':>7}  description")
     for name, description, _, d4, d16 in rows:
@@ -287,7 +138,7 @@ def cmd_show(args) -> None:
         print(f"wrote {args.out}")
 
 
-def bench_patterns(labels: list[str], num_heads: int) -> dict[str, Pattern]:
+def bench_patterns(labels: Sequence[str], num_heads: int) -> dict[str, Pattern]:
     """label -> Pattern for ``bench --patterns``, each checked against ``--num-heads``."""
     from . import bench
 
@@ -304,7 +155,7 @@ def bench_patterns(labels: list[str], num_heads: int) -> dict[str, Pattern]:
     return patterns
 
 
-def _check_bench_setup(args, implementations: list[str]) -> None:
+def _check_bench_setup(args, implementations: Sequence[str]) -> None:
     """What the sweep and the figures need, checked before the first point runs."""
     import torch
 
@@ -327,20 +178,18 @@ def cmd_bench(args) -> None:
 
     from . import bench
 
-    quick = bench.QUICK if args.quick else {}
-    patterns = bench_patterns(args.patterns or quick.get("patterns") or list(bench.PATTERNS), args.num_heads)
-    implementations = args.backends or quick.get("backends") or bench.DEFAULT_IMPLEMENTATIONS
-    _check_bench_setup(args, implementations)
+    settings = bench.settings(args.quick, patterns=args.patterns, lengths=args.lengths,
+                              implementations=args.backends, repeats=args.repeats, timeout=args.timeout)
+    patterns = bench_patterns(settings.patterns, args.num_heads)
+    _check_bench_setup(args, settings.implementations)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    unavailable = bench.unavailable_reasons(patterns, implementations, device, args.backward)
+    unavailable = bench.unavailable_reasons(patterns, settings.implementations, device, args.backward)
     for (label, name), reason in unavailable.items():
         print(f"n/a: {name} on {label}: {reason}")
-    results = bench.sweep(patterns, sorted(set(args.lengths or quick.get("lengths") or bench.DEFAULT_LENGTHS)),
-                          implementations, batch=args.batch, heads=args.num_heads, head_dim=args.head_dim,
-                          block_size=args.block_size, backward=args.backward,
-                          repeats=args.repeats or quick.get("repeats", 3),
-                          timeout=args.timeout or quick.get("timeout", 120), memory_limit_gb=args.memory_limit_gb,
-                          device=device, command=_command_line(args.argv),
+    results = bench.sweep(patterns, settings.lengths, settings.implementations, batch=args.batch,
+                          heads=args.num_heads, head_dim=args.head_dim, block_size=args.block_size,
+                          backward=args.backward, repeats=settings.repeats, timeout=settings.timeout,
+                          memory_limit_gb=args.memory_limit_gb, device=device, command=_command_line(args.argv),
                           progress=not args.no_progress, out=args.out, unavailable=unavailable)
     for path in bench.write(results, args.out):
         print(f"wrote {path}")
@@ -354,7 +203,11 @@ _SUFFIXES = {"k": 1024, "m": 1024 ** 2}
 
 
 def _count(text: str) -> int:
-    """A positive integer: ``4096``, ``16_384``, ``16,384``, ``4k`` / ``4K`` (x 1024), ``1M`` (x 1024**2)."""
+    """A positive integer: ``4096``, ``16_384``, ``16,384``, ``4k`` / ``4K`` (x 1024), ``1M`` (x 1024**2).
+
+    >>> _count("4k"), _count("16_384"), _count("1M")
+    (4096, 16384, 1048576)
+    """
     digits = text.strip().replace("_", "").replace(",", "")
     factor = _SUFFIXES.get(digits[-1:].lower(), 1)
     digits = digits[:-1] if factor > 1 else digits
@@ -396,7 +249,7 @@ _MEMORY_LIMIT_MAX = 1e6   # GB: RLIMIT_AS is a 64-bit byte count
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import DEFAULT_IMPLEMENTATIONS, DEFAULT_LENGTHS, IMPLEMENTATIONS, PATTERNS, QUICK
+    from .bench import DEFAULT, IMPLEMENTATIONS, PATTERNS, QUICK
 
     parser = argparse.ArgumentParser(prog="sparse-attn", description="Exact block-sparse attention: inspect "
                                      "patterns and benchmark time and memory against dense attention.")
@@ -426,13 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: none; needs matplotlib)")
     show.set_defaults(run=cmd_show)
 
-    quick = QUICK
     bench = sub.add_parser("bench", help="time and peak memory versus sequence length, each point in a fresh "
                            "process; writes results.json, results.md, time.png, memory.png",
                            description="Sizes accept 4096, 4k (x 1024), 1M (x 1024**2).")
-    bench.add_argument("--quick", action="store_true", help=f"{', '.join(quick['patterns'])}, N = "
-                       f"{', '.join(map(_short, quick['lengths']))}, {', '.join(quick['backends'])}, forward, "
-                       f"{quick['repeats']} timed calls per point: a few minutes (default: off)")
+    bench.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK.patterns)}, N = "
+                       f"{', '.join(map(_short, QUICK.lengths))}, {', '.join(QUICK.implementations)}, forward, "
+                       f"{QUICK.repeats} timed calls per point: a few minutes (default: off)")
     bench.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR", help="output directory "
                        "(default: bench-results); an existing results.json is kept unless --overwrite")
     bench.add_argument("--overwrite", action="store_true", help="replace the results already in --out "
@@ -440,20 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
     labels = [f"{label} (= {expression})" for label, expression in PATTERNS.items() if label != expression]
     bench.add_argument("--patterns", nargs="+", metavar="PATTERN", help=f"{', '.join(labels)}, a preset "
                        f"({', '.join(presets.list_presets())}), a .toml file or an expression "
-                       f"(default: {' '.join(PATTERNS)})")
+                       f"(default: {' '.join(DEFAULT.patterns)})")
     bench.add_argument("--lengths", nargs="+", type=_count, metavar="N", help="sequence lengths (default: "
-                       f"{' '.join(map(_short, DEFAULT_LENGTHS))})")
+                       f"{' '.join(map(_short, DEFAULT.lengths))})")
     bench.add_argument("--backends", nargs="+", metavar="IMPL", help=f"implementations: {', '.join(IMPLEMENTATIONS)} "
-                       f"(default: {' '.join(DEFAULT_IMPLEMENTATIONS)})")
+                       f"(default: {' '.join(DEFAULT.implementations)})")
     bench.add_argument("--backward", action="store_true", help="time forward + backward (default: forward only)")
     bench.add_argument("--batch", type=_count, default=1, metavar="B", help="batch size (default 1)")
     bench.add_argument("--num-heads", type=_count, default=8, metavar="H", help="heads (default 8)")
     bench.add_argument("--head-dim", type=_count, default=64, metavar="D", help="head dim (default 64)")
     bench.add_argument("--block-size", type=_count, default=64, metavar="B", help="block size (default 64)")
-    bench.add_argument("--repeats", type=_count, metavar="R", help=f"timed calls per point (default 3, --quick "
-                       f"{quick['repeats']})")
+    bench.add_argument("--repeats", type=_count, metavar="R", help=f"timed calls per point (default "
+                       f"{DEFAULT.repeats}, --quick {QUICK.repeats})")
     bench.add_argument("--timeout", type=_bounded(_TIMEOUT_MAX), metavar="S", help=f"seconds per point, at most "
-                       f"{_TIMEOUT_MAX:,.0f} (default 120, --quick {quick['timeout']})")
+                       f"{_TIMEOUT_MAX:,.0f} (default {DEFAULT.timeout}, --quick {QUICK.timeout})")
     bench.add_argument("--memory-limit-gb", type=_bounded(_MEMORY_LIMIT_MAX), default=12.0, metavar="G",
                        help="address-space cap of each point's process in GB (default 12)")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when torch sees a GPU, else cpu")
@@ -463,7 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command_line(argv: list[str]) -> str:
-    """The command as a shell would take it back (quoted), undecodable bytes as escapes."""
+    """The command as a shell would take it back (quoted), undecodable bytes as escapes.
+
+    >>> print(_command_line(["show", "Local(64) | Global(first=2)", "--seq-len", "4k"]))
+    sparse-attn show 'Local(64) | Global(first=2)' --seq-len 4k
+    """
     return shlex.join(["sparse-attn", *argv]).encode("utf-8", "backslashreplace").decode()
 
 
@@ -479,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         args.run(args)
-    except (UsageError, ImportError) as error:
+    except (UsageError, PatternTextError, ImportError) as error:
         parser.exit(2, f"sparse-attn: error: {error}\n")
     except KeyboardInterrupt:
         parser.exit(130, "sparse-attn: interrupted\n")

@@ -161,6 +161,22 @@ def preset(name: str) -> Pattern:
     return load_pattern(preset_path(name))
 
 
+def preset_rows() -> list[tuple[str, str, int, float, float]]:
+    """(name, description, heads, token density at 4K, at 16K) per preset: what ``sparse-attn patterns`` prints.
+
+    >>> name, description, heads, d4, d16 = preset_rows()[0]
+    >>> name, heads, f"{d4:.2%}", f"{d16:.2%}"
+    ('bigbird-etc', 1, '10.64%', '2.72%')
+    """
+    rows = []
+    for name, description in list_presets().items():
+        path = preset_path(name)
+        pattern, heads = load_pattern(path), declared_heads(path) or 1
+        d4, d16 = (pattern.layout(n, heads=heads).density for n in (4096, 16384))
+        rows.append((name, description, heads, d4, d16))
+    return rows
+
+
 def declared_heads(path) -> int | None:
     """The ``heads`` a pattern file declares (per-head presets need that many), None when it declares none.
 

@@ -4,19 +4,16 @@ Most tests call ``cli.main`` in this process (fast); a few run ``python -m spars
 subprocess, where what is imported and the whole command line matter.
 """
 import argparse
-import functools
 import json
-import math
-import operator
 import subprocess
 import sys
-import warnings
 
 import pytest
 
 import sparse_attn as sa
-from sparse_attn import bench, cli
-from sparse_attn.cli import UsageError, parse_pattern
+from sparse_attn import bench, cli, expression
+from sparse_attn.bench import harness
+from sparse_attn.expression import parse_pattern
 
 
 def run(*args, timeout=240):
@@ -35,7 +32,7 @@ def call(capsys, *args):
 
 
 def fake_point(point):
-    """Stands in for ``bench.run_point``: an instant 'ok' point, so bench tests run no child process."""
+    """Stands in for ``harness.run_point``: an instant 'ok' point, so bench tests run no child process."""
     return {"status": "ok", "time_s": 0.01, "times_s": [0.01], "first_call_s": 0.01, "measured": "calls after the "
             "warm-up", "memory_mb": point["n"] / 1024, "process_peak_mb": 100.0, "wall_s": 0.1}
 
@@ -108,8 +105,6 @@ def test_show_per_head_expression_takes_its_heads_from_the_list(capsys):
     code, _, err = call(capsys, "show", "PerHead([Local(256), Dilated(128, 2)])", "--seq-len", "4096",
                         "--num-heads", "3")
     assert code == 2 and "PerHead has 2 patterns but heads=3" in err
-    assert cli.per_head_count(sa.Local(1)) is None
-    assert cli.per_head_count(sa.PerHead([sa.Local(1)] * 3) & sa.Causal()) == 3
 
 
 def test_long_expressions_are_parsed_not_looked_up_as_files(capsys):
@@ -119,8 +114,6 @@ def test_long_expressions_are_parsed_not_looked_up_as_files(capsys):
     code, stdout, err = call(capsys, "show", expression, "--seq-len", "128")
     assert code == 0, err
     assert "BlockLayout of Local(0) | Local(1)" in stdout
-    chain = " | ".join(["Local(1)"] * 2000)                           # deeper than Python's recursion limit
-    assert parse_pattern(chain)[0] == functools.reduce(operator.or_, [sa.Local(1)] * 2000)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,7 +139,7 @@ def test_bench_writes_json_markdown_and_plots(tmp_path):
 
 
 def test_bench_refuses_to_overwrite_results_unless_asked(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "run_point", fake_point)
+    monkeypatch.setattr(harness, "run_point", fake_point)
     args = ["bench", "--lengths", "256", "--patterns", "longformer", "--backends", "sdpa-dense", "--no-progress",
             "--out", str(tmp_path)]
     assert call(capsys, *args)[0] == 0
@@ -161,7 +154,7 @@ def test_bench_checks_its_output_before_running_any_point(capsys, monkeypatch, t
     def no_point(point):
         raise AssertionError("a point ran before the arguments were checked")
 
-    monkeypatch.setattr(bench, "run_point", no_point)
+    monkeypatch.setattr(harness, "run_point", no_point)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for out, message in [(blocker, "is a file; bench writes a directory"),
@@ -171,7 +164,7 @@ def test_bench_checks_its_output_before_running_any_point(capsys, monkeypatch, t
 
 
 def test_bench_reports_unavailable_implementations_up_front(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "run_point", fake_point)
+    monkeypatch.setattr(harness, "run_point", fake_point)
     code, out, err = call(capsys, "bench", "--lengths", "1k", "2k", "--patterns", "bigbird-itc", "--backends",
                           "sdpa-dense", "hf-longformer", "--no-progress", "--out", str(tmp_path))
     assert code == 0, err
@@ -188,64 +181,6 @@ def test_the_recorded_command_line_can_be_pasted_back():
     line = cli._command_line(["bench", "--patterns", "Local(1) | Dense()", "--out", "out\udcff"])
     assert line == "sparse-attn bench --patterns 'Local(1) | Dense()' --out 'out\\udcff'"
     line.encode("utf-8")                                               # results.md can be written
-
-
-def _flex_has_cpu_backward() -> bool:
-    """The fact the benchmark relies on, checked directly: a tiny eager call with requires_grad."""
-    import torch
-    from torch.nn.attention.flex_attention import flex_attention
-
-    q = torch.zeros(1, 1, 16, 16, requires_grad=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")                                 # "eager flex_attention is slow"
-            flex_attention(q, q, q).sum().backward()
-    except NotImplementedError:
-        return False
-    return True
-
-
-def test_flex_backward_on_cpu_is_na_up_front():
-    ok, reason = bench.availability("flex", sa.Local(1), "cpu", backward=True)
-    if _flex_has_cpu_backward():
-        assert ok
-        return
-    assert not ok and "does not support backward on CPU" in reason
-    assert bench.availability("flex", sa.Local(1), "cpu") == (True, "")         # forward runs
-    results = bench.sweep({"p": sa.Local(1)}, [128, 256], ["flex"], backward=True, progress=False)
-    assert [p["status"] for p in results["points"]] == ["unavailable", "unavailable"]
-    assert "wall_s" not in results["points"][0]                                # no child process ran
-
-
-def test_bench_records_timeouts_and_keeps_going():
-    results = bench.sweep({"p": sa.Local(1)}, [128, 256], ["sdpa-dense"], timeout=0.5, progress=False)
-    statuses = {(p["implementation"], p["n"]): p["status"] for p in results["points"]}
-    assert statuses[("sdpa-dense", 128)] == "timeout" and statuses[("sdpa-dense", 256)] == "skipped"
-
-
-def test_bench_availability():
-    assert bench._longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
-    assert bench._longformer_window(sa.Local(1)) == (1, None)
-    assert bench._longformer_window(sa.preset("bigbird-itc")) is None
-    assert bench._longformer_window(sa.Local(4, 2)) is None                 # HF windows are symmetric
-    assert bench.availability("hf-longformer", sa.preset("bigbird-itc"), "cpu")[0] is False
-    assert bench.availability("sparse_attn-numba", sa.Local(1), "cuda") == (False, "numba runs CPU tensors only")
-    assert bench.availability("sparse_attn-triton", sa.Local(1), "cpu")[0] is False
-    assert bench.availability("sdpa-dense", sa.Local(1), "cpu") == (True, "")
-
-
-def test_tables_put_each_reason_once_under_its_table():
-    results = {"patterns": {"a": "Local(1)", "b": "Local(2)"}, "implementations": {"x": "", "y": ""},
-               "points": [{"pattern_label": label, "implementation": "x", "n": n, "status": "ok", "time_s": 0.5,
-                           "memory_mb": 3.0} for label in "ab" for n in (1, 2)]
-               + [{"pattern_label": "a", "implementation": "y", "n": 1, "status": "oom", "error": "no memory"},
-                  {"pattern_label": "a", "implementation": "y", "n": 2, "status": "skipped", "error": "oom at N=1"},
-                  {"pattern_label": "b", "implementation": "y", "n": 1, "status": "error", "error": "boom"},
-                  {"pattern_label": "b", "implementation": "y", "n": 2, "status": "error", "error": "boom"}]}
-    text = bench.tables(results)
-    assert "| y | oom [1] | - |" in text and "- [1] `y` oom: no memory" in text
-    assert "| y | error [1] | error [1] |" in text and text.count("`y` error: boom") == 1
-    assert text.count("Cells: time (s)") == 1
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a CUDA GPU")
@@ -328,7 +263,7 @@ def test_overflow_in_a_constructor_is_a_usage_error(capsys, monkeypatch):
     def overflow(*args):
         raise OverflowError("cannot fit 'int' into an index-sized integer")
 
-    monkeypatch.setitem(cli.CONSTRUCTORS, "Local", overflow)
+    monkeypatch.setitem(expression.CONSTRUCTORS, "Local", overflow)
     code, _, err = call(capsys, "show", "Local(10)", "--seq-len", "64")
     assert code == 2 and "pattern expression 'Local(10)': cannot fit 'int'" in err
 
@@ -417,22 +352,3 @@ def test_bad_arguments_print_no_traceback_end_to_end():
     proc = run("show", "bigbird-itx", "--seq-len", "64", timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.startswith("sparse-attn: error: no preset named 'bigbird-itx'") and "Traceback" not in proc.stderr
-
-
-def test_parse_pattern_builds_what_python_would():
-    assert parse_pattern("Local(64) | Global(first=2)")[0] == sa.Local(64) | sa.Global(first=2)
-    assert parse_pattern("(Local(3, 0) | Stride(4)) & Causal()")[0] == sa.sparse_transformer(4)
-    assert parse_pattern("Local(1) | Local(2) & Causal() | Dense()")[0] == \
-        sa.Local(1) | (sa.Local(2) & sa.Causal()) | sa.Dense()
-    assert parse_pattern("PerHead([Local(1), Dense()])")[0] == sa.PerHead([sa.Local(1), sa.Dense()])
-    assert parse_pattern("preset('bigbird-itc')")[0] == sa.preset("bigbird-itc")
-    assert parse_pattern("dilated-longformer") == (sa.preset("dilated-longformer"), 12)
-    assert parse_pattern("longformer", named=bench.PATTERNS)[0] == sa.Local(256) | sa.Global(first=16)
-    with pytest.raises(UsageError, match="gives a int, not a Pattern"):
-        parse_pattern("3")
-    with pytest.raises(UsageError, match="unary minus applies to ints only"):
-        parse_pattern("-Local(1)")
-    with pytest.raises(UsageError, match=r"pattern expression \"preset\('../x'\)\": no preset named '../x'"):
-        parse_pattern("preset('../x')")
-    assert math.isclose(parse_pattern("bigbird-itc")[0].layout(1024).density,
-                        sa.preset("bigbird-itc").layout(1024).density)

@@ -1,0 +1,28 @@
+"""The memory benchmark: time and peak memory of attention versus sequence length.
+
+>>> from pathlib import Path
+>>> from sparse_attn import bench
+>>> from sparse_attn.expression import parse_pattern
+>>> patterns = {"longformer": parse_pattern(bench.PATTERNS["longformer"])[0]}
+>>> results = bench.sweep(patterns, [1024, 2048], ["sparse_attn-numba", "sdpa-dense"])  # doctest: +SKIP
+>>> bench.write(results, Path("bench-out"))  # results.json, results.md, time.png, memory.png  # doctest: +SKIP
+
+One module per job:
+
+- ``config``: the patterns and implementations by name, the default and ``--quick`` settings;
+- ``implementations``: whether each implementation runs here, and the call it times;
+- ``harness``: one point measured in a fresh ``python -m sparse_attn.bench`` process (how time and
+  memory are measured is in its docstring);
+- ``runner``: the sweep over every (pattern, implementation, N) point;
+- ``report``: results.json, results.md and the figures.
+
+Where it ran (versions, CPUs, load average) comes from ``sparse_attn.machine``. torch is imported
+inside the functions that use it, so ``sparse-attn --help`` reads ``config`` without paying for it.
+"""
+from .config import DEFAULT, IMPLEMENTATIONS, PATTERNS, QUICK, Settings, settings
+from .implementations import availability, unavailable_reasons
+from .report import markdown, tables, write
+from .runner import sweep
+
+__all__ = ["DEFAULT", "IMPLEMENTATIONS", "PATTERNS", "QUICK", "Settings", "settings", "availability",
+           "unavailable_reasons", "markdown", "tables", "write", "sweep"]
