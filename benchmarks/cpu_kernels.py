@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import statistics
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import sparse_attn as sa
+from sparse_attn import machine
 from sparse_attn.api import sparse_attention
 
 BATCH, HEADS, DIM = 1, 8, 64
@@ -104,16 +104,6 @@ def _runner(name: str, n: int):
 def _matmul():
     a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
     return lambda: torch.mm(a, b)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_sizes(lengths, impls, repeats):
@@ -263,13 +253,13 @@ def main() -> None:
         print(json.dumps(scale_point(args.scale_point, args.backward)))
         return
     lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
-    machine = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
-               "torch": torch.__version__, "numba": numba.__version__, "torch_threads": torch.get_num_threads(),
-               "numba_threads": numba.get_num_threads(), "loadavg_before": os.getloadavg()}
+    where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
+             **machine.versions(("torch", "numba")), "torch_threads": torch.get_num_threads(),
+             "numba_threads": numba.get_num_threads(), "loadavg_before": machine.load_average()}
     results, mm_gflops, mm_times = run_sizes(lengths, args.impls, repeats)
     scale = [] if args.quick or args.no_scale else run_scale_points()
-    machine["loadavg_after"] = os.getloadavg()
-    record = {"machine": machine, "batch": BATCH, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
+    where["loadavg_after"] = machine.load_average()
+    record = {"machine": where, "batch": BATCH, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
               "pattern": PATTERN_NAME, "repeats": repeats, "matmul_gflops": mm_gflops, "matmul_samples_s": mm_times,
               "results": results, "scale": scale}
     write(args.out, record, "python benchmarks/cpu_kernels.py " + " ".join(sys.argv[1:]))

@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
+from sparse_attn.machine import versions  # noqa: E402
 
 DEVICE = "cuda"
 HEADS = 16
@@ -345,9 +346,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def machine() -> dict:
-    import triton
-
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    """The set-up the rows were measured on: ``--resume`` refuses rows from another."""
+    return {"device": torch.cuda.get_device_name(), **versions(("torch", "triton")),
             "python": platform.python_version(), "dtype": str(DTYPE), "heads": HEADS, "block_size": BLOCK}
 
 

@@ -35,6 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 from sparse_attn.backends import triton_gpu  # noqa: E402
+from sparse_attn.machine import versions  # noqa: E402
 
 H100_SHARED_MEMORY = 227 * 1024   # bytes a block may opt in to on sm_90
 BLOCK = 64                        # the layouts' default block size
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     rows = compile_all(args.head_dim, args.dtype, args.sweep, args.ragged)
-    meta = {"triton": triton.__version__, "torch": torch.__version__, "target": "cuda sm_90", "block": BLOCK,
+    meta = {**versions(("triton", "torch")), "target": "cuda sm_90", "block": BLOCK,
             "ragged": args.ragged, "command": " ".join(["python", *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "triton_resources.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
