@@ -19,13 +19,14 @@ torch.Size([2, 100, 64])
 from __future__ import annotations
 
 import torch
+from einops import rearrange, repeat
 from torch import nn
 
 from . import backends
 from ._host import host_only
 from .api import sparse_attention
-from .pattern import Dense, Pattern
-
+from .checks import check_float, check_int
+from .pattern import Dense, Pattern, check_pattern
 
 
 class SparseSelfAttention(nn.Module):
@@ -60,16 +61,13 @@ class SparseSelfAttention(nn.Module):
                  global_projections: bool = False):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check_sizes(embed_dim, num_heads, num_kv_heads)
-        if not isinstance(pattern, Pattern):
-            raise TypeError(f"pattern must be a sparse_attn Pattern such as sa.Local(256) | sa.Global(first=1), "
-                            f"got {type(pattern).__name__}: {pattern!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        embed_dim, num_heads, num_kv_heads = _check_sizes(embed_dim, num_heads, num_kv_heads)
+        check_pattern("pattern", pattern)
+        dropout = check_float("dropout", dropout, low=0.0, high=1.0, high_open=True)
         backends.check_name(backend)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.pattern, self.dropout, self.batch_first, self.backend = pattern, float(dropout), batch_first, backend
+        self.pattern, self.dropout, self.batch_first, self.backend = pattern, dropout, batch_first, backend
         kv_dim = num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
@@ -108,7 +106,7 @@ class SparseSelfAttention(nn.Module):
         if key_padding_mask is not None:
             out = out.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         out = nn.functional.dropout(out, self.dropout, self.training)
-        out = self.out_proj(out.transpose(1, 2).flatten(2))                        # (B, N, E)
+        out = self.out_proj(rearrange(out, "b h n d -> b n (h d)"))                # (B, N, E)
         return out if self.batch_first else out.transpose(0, 1)
 
     def _global_rows(self, x, out, key_padding_mask, global_mask):
@@ -116,20 +114,19 @@ class SparseSelfAttention(nn.Module):
         index = _global_positions(global_mask)                                    # (B, G)
         if index is None:
             return out
-        batch, heads, _, head_dim = out.shape
-        count = index.shape[1]
-        x_global = x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))      # (B, G, E)
+        heads, head_dim = out.shape[1], out.shape[3]
+        x_global = x.gather(1, repeat(index, "b g -> b g e", e=x.shape[-1]))        # (B, G, E)
         q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
         k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
                                 backend=self.backend)                             # (B, H, G, D)
-        index = index[:, None, :, None].expand(batch, heads, count, head_dim)
+        index = repeat(index, "b g -> b h g d", h=heads, d=head_dim)               # (B, H, G, D)
         rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
         return torch.where(global_mask[:, None, :, None], rows, out)
 
     def _split_heads(self, t: torch.Tensor, heads: int) -> torch.Tensor:
-        return t.unflatten(-1, (heads, self.head_dim)).transpose(1, 2)             # (B, heads, N, D)
+        return rearrange(t, "b n (h d) -> b h n d", h=heads)                      # (B, heads, N, D)
 
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):
@@ -154,16 +151,17 @@ def _global_positions(global_mask: torch.Tensor) -> torch.Tensor | None:
     return torch.sort(global_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :count]
 
 
-def _check_sizes(embed_dim, num_heads, num_kv_heads) -> None:
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _check_sizes(embed_dim, num_heads, num_kv_heads) -> tuple[int, int, int]:
+    """The three sizes as ints >= 1, heads dividing the width and kv heads dividing the heads."""
+    embed_dim, num_heads, num_kv_heads = (check_int(name, value, 1) for name, value in (
+        ("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)))
     if embed_dim % num_heads:
         raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim} (head_dim = embed_dim // "
                          f"num_heads); choose e.g. num_heads={_divisor_near(embed_dim, num_heads)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} for grouped-query "
                          f"attention; choose e.g. num_kv_heads={_divisor_near(num_heads, num_kv_heads)}")
+    return embed_dim, num_heads, num_kv_heads
 
 
 def _divisor_near(n: int, k: int) -> int:

@@ -303,6 +303,12 @@ def test_errors():
     bert = AutoModel.from_config(_config("bert"))
     with pytest.raises(ValueError, match="max_positions=64 must exceed the model's 128 positions"):
         to_long_model(bert, 64)
+    with pytest.raises(ValueError, match="max_positions must be >= 1, got 0"):
+        to_long_model(bert, 0)
+    with pytest.raises(TypeError, match=r"max_positions must be an int, got 4096.0 \(float\)"):
+        to_long_model(bert, 4096.0)
+    with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern, got str: 'local'"):
+        to_long_model(bert, 4096, "local")
     _, ours = _twins("bert", DENSE)
     with pytest.raises(ValueError, match=r"sparse_attn needs a padding mask of shape \(batch, kv_length\)"):
         ours(input_ids=torch.ones(2, 10, dtype=torch.long), attention_mask=torch.ones(2, 1, 10, 7))

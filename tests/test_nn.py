@@ -1,6 +1,7 @@
 """sparse_attn.nn.SparseSelfAttention: against dense masked softmax, nn.MultiheadAttention and Hugging
 Face's LongformerSelfAttention (weights copied, outputs and input gradients at atol 1e-5 in fp32)."""
 
+import einops
 import pytest
 import torch
 from torch import nn
@@ -183,6 +184,23 @@ def test_torch_compile_matches_eager():
     assert layer.q_global_proj.weight.grad is not None
 
 
+def test_head_reshapes_trace_into_one_graph():
+    """The einops reshapes add no graph break (fullgraph=True), for static and dynamic shapes."""
+    layer = SparseSelfAttention(E, H, sa.Local(4), backend=BACKEND)
+
+    def split_and_merge(t):
+        heads = layer._split_heads(t, H)                                        # (B, H, N, D)
+        return heads, einops.rearrange(heads, "b h n d -> b n (h d)")           # (B, N, E)
+
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(split_and_merge, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for batch, n in ((2, 10), (3, 17)):
+            t = torch.randn(batch, n, E)                                          # (B, N, E)
+            heads, merged = compiled(t)
+            assert heads.shape == (batch, H, n, E // H) and torch.equal(merged, t)
+
+
 def test_bfloat16_on_cpu_reference():
     torch.manual_seed(0)
     layer = SparseSelfAttention(E, H, sa.Local(4), backend="reference")
@@ -217,9 +235,11 @@ def test_default_backend_is_auto():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(embed_dim=30, num_heads=4), ValueError, "num_heads=4 must divide embed_dim=30"),
     (dict(num_kv_heads=3), ValueError, "num_kv_heads=3 must divide num_heads=4"),
-    (dict(num_heads=0), ValueError, "num_heads must be a positive int"),
+    (dict(num_heads=0), ValueError, "num_heads must be >= 1, got 0"),
+    (dict(num_kv_heads=2.0), TypeError, r"num_kv_heads must be an int, got 2.0 \(float\)"),
     (dict(pattern="local"), TypeError, "pattern must be a sparse_attn Pattern"),
-    (dict(dropout=1.0), ValueError, r"dropout must be a float in \[0, 1\)"),
+    (dict(dropout=1.0), ValueError, r"dropout must be a finite float in \[0, 1\), got 1.0"),
+    (dict(dropout="0.1"), TypeError, "dropout must be a float, got '0.1'"),
     (dict(backend=None), TypeError, "backend must be a str"),
     (dict(backend="trition"), ValueError, r"backend must be one of \['auto', 'reference', 'numba', 'triton'\], got 'trition'"),
 ])

@@ -33,13 +33,15 @@ import sys
 import warnings
 
 import torch
+from einops import rearrange
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import backends
 from ..api import sparse_attention
-from ..pattern import Global, Local, Pattern
+from ..checks import check_int
+from ..pattern import Global, Local, Pattern, check_pattern
 
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 _REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
@@ -61,9 +63,7 @@ def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backe
     module docstring). Calling it again with the same name replaces the pattern.
     """
     pattern = DEFAULT_PATTERN if pattern is None else pattern
-    if not isinstance(pattern, Pattern):
-        raise TypeError(f"pattern must be a sparse_attn Pattern such as sa.Local(256) | sa.Global(first=1), "
-                        f"got {type(pattern).__name__}: {pattern!r}")
+    check_pattern("pattern", pattern)
     if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith(("flash", "flex")):
         raise ValueError(f"name must be a new attn_implementation name such as 'sparse_attn', got {name!r}")
     backends.check_name(backend)
@@ -98,7 +98,7 @@ def _attention_function(name: str):
                                scale=scaling, backend=backend)                             # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
-        return out.transpose(1, 2).contiguous(), None
+        return rearrange(out, "b h n d -> b n h d").contiguous(), None
 
     sparse_attn_forward.__qualname__ = sparse_attn_forward.__name__ = f"sparse_attn_forward[{name}]"
     return sparse_attn_forward
@@ -208,14 +208,13 @@ def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern |
         raise ValueError(f"to_long_model needs a BERT/RoBERTa-style model with absolute position embeddings "
                          f"(model.base_model.embeddings.position_embeddings), got {type(model).__name__}; models "
                          f"with rotary or relative positions need no conversion: use attn_implementation={name!r}")
-    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
-        raise ValueError(f"max_positions must be a positive int, got {max_positions!r}")
+    max_positions = check_int("max_positions", max_positions, 1)
     offset = 0 if table.padding_idx is None else table.padding_idx + 1
     if max_positions <= table.num_embeddings - offset:
         raise ValueError(f"max_positions={max_positions} must exceed the model's {table.num_embeddings - offset} "
                          f"positions; to_long_model only extends")
-    if pattern is not None and not isinstance(pattern, Pattern):
-        raise TypeError(f"pattern must be a sparse_attn Pattern or None, got {type(pattern).__name__}: {pattern!r}")
+    if pattern is not None:
+        check_pattern("pattern", pattern)
     check_model(model, name)
     embeddings.position_embeddings = _tiled(table, offset + max_positions, offset)
     size = embeddings.position_embeddings.num_embeddings
