@@ -28,15 +28,15 @@ def measure(expression: str, n: int, heads: int) -> dict:
     import resource
     import tracemalloc
 
-    from sparse_attn.cli import parse_pattern
-    from sparse_attn.layout import _build
+    from sparse_attn.compiler import build_layout
+    from sparse_attn.expression import parse_pattern
 
     pattern = parse_pattern(expression)[0]  # a preset name or a pattern expression, as `sparse-attn show` takes
     times = []
     for _ in range(REPEATS):
         tracemalloc.start()
         start = time.perf_counter()
-        layout = _build(pattern, n, n, heads, 64, False, None, None, None)  # uncached
+        layout = build_layout(pattern, n, n, heads, 64, cache=False)
         times.append(time.perf_counter() - start)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()

@@ -17,22 +17,22 @@ computed block (query block r, key block c) is either
 
 Blocks that are neither are never touched. Indices are CSR per (example, head, query block), and
 transposed per (example, head, key block) for the dK/dV pass of the backward.
+
+``sparse_attn.compiler`` builds layouts from patterns; this module only holds them. It imports no
+pattern module (the compiler imports it), so a layout can be built by hand, say from another
+library's block layout, and checked here.
 """
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
 
-from ._host import host_only
+from .blocks import block_areas, ceil_div, check_lengths
 from .checks import check_bool, check_int
-from .pattern import Pattern, _check_lengths, check_pattern, _Ctx, _n_blocks, block_table, with_call_data
 
 _GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
-_TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
-_INT32_MAX = 2**31 - 1
 
 
 class KernelIndex(NamedTuple):
@@ -88,11 +88,10 @@ class BlockLayout:
     ``pattern`` (shown by ``print``) may be None.
     """
 
-    def __init__(self, *, pattern: Pattern | None, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
+    def __init__(self, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
                  **tensors: torch.Tensor):
-        if pattern is not None:
-            check_pattern("BlockLayout pattern", pattern)
-        n_q, n_k = _check_lengths(n_q, n_k)
+        _check_pattern_like(pattern)
+        n_q, n_k = check_lengths(n_q, n_k)
         names = set(tensors)
         if names != set(KernelIndex._fields):
             raise TypeError(f"BlockLayout needs the tensors {list(KernelIndex._fields)}; missing "
@@ -102,8 +101,10 @@ class BlockLayout:
         _check_tensors(self)
 
     @classmethod
-    def _trusted(cls, pattern, n_q, n_k, heads, block_size, causal, tensors) -> BlockLayout:
-        """A layout from the builder (or a copy of a checked one): consistent by construction, not re-checked."""
+    def trusted(cls, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
+                **tensors: torch.Tensor) -> BlockLayout:
+        """The constructor without its checks, for builders whose layouts are consistent by construction
+        (the compiler, and ``to`` copying a layout): checking would cost as much as building."""
         layout = cls.__new__(cls)
         layout._set(pattern, n_q, n_k, heads, block_size, causal, tensors)
         return layout
@@ -123,11 +124,11 @@ class BlockLayout:
     # --- shape ---------------------------------------------------------------------------------
     @property
     def n_q_blocks(self) -> int:
-        return _n_blocks(self.n_q, self.block_size)
+        return ceil_div(self.n_q, self.block_size)
 
     @property
     def n_k_blocks(self) -> int:
-        return _n_blocks(self.n_k, self.block_size)
+        return ceil_div(self.n_k, self.block_size)
 
     @property
     def tile_shape(self) -> tuple[int, int]:
@@ -157,9 +158,10 @@ class BlockLayout:
             raise ValueError(f"this BlockLayout is on the meta device, which holds no values to move to {device}; "
                              f"build it there with pattern.layout(...).to({str(device)!r})")
         if device not in self._on_device:
-            moved = {name: getattr(self, name).to(device) for name in KernelIndex._fields}
-            self._on_device[device] = BlockLayout._trusted(self.pattern, self.n_q, self.n_k, self.heads, self.block_size,
-                                                           self.causal, moved)
+            moved = {name: tensor.to(device) for name, tensor in self.index._asdict().items()}
+            self._on_device[device] = BlockLayout.trusted(pattern=self.pattern, n_q=self.n_q, n_k=self.n_k,
+                                                          heads=self.heads, block_size=self.block_size,
+                                                          causal=self.causal, **moved)
         return self._on_device[device]
 
     # --- counts --------------------------------------------------------------------------------
@@ -167,8 +169,7 @@ class BlockLayout:
         return self.heads if self.shared_heads else 1
 
     def _block_areas(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        tq, tk = self.tile_shape
-        return (np.minimum((rows + 1) * tq, self.n_q) - rows * tq) * (np.minimum((cols + 1) * tk, self.n_k) - cols * tk)
+        return block_areas(rows, cols, self.tile_shape, (self.n_q, self.n_k))
 
     def _rows_of(self, ptr: torch.Tensor) -> np.ndarray:
         """Query-block index of every entry of a CSR index with row pointers ``ptr``."""
@@ -251,6 +252,22 @@ class BlockLayout:
         rows_valid = min(r1 * tq, self.n_q) - r0 * tq
         return out.reshape(bl, hl, (r1 - r0) * tq, n_kb * tk)[:, :, :rows_valid, :self.n_k]
 
+    def query_chunks(self, scores_per_row: int, max_scores: int) -> Iterator[tuple[int, int, slice]]:
+        """Query blocks in runs whose scores fit in ``max_scores`` elements, ``scores_per_row`` per query
+        row (at least one block a run): ``(r0, r1, rows)``, blocks r0..r1-1 and the query rows they hold.
+        How the reference backend and ``attention_weights`` evaluate ``row_mask`` in bounded memory.
+
+        >>> import sparse_attn as sa
+        >>> list(sa.Local(1).layout(100, block_size=16).query_chunks(scores_per_row=100, max_scores=4000))
+        [(0, 2, slice(0, 32, None)), (2, 4, slice(32, 64, None)), (4, 6, slice(64, 96, None)),
+         (6, 7, slice(96, 100, None))]
+        """
+        tq = self.tile_shape[0]
+        blocks_per_chunk = max(1, max_scores // (tq * scores_per_row))
+        for r0 in range(0, self.n_q_blocks, blocks_per_chunk):
+            r1 = min(r0 + blocks_per_chunk, self.n_q_blocks)
+            yield r0, r1, slice(r0 * tq, min(r1 * tq, self.n_q))
+
     def to_dense(self) -> torch.Tensor:
         """Token mask, bool (batch, heads, n_q, n_k): what the kernels compute. Small N only."""
         mask = self.row_mask(0, self.n_q_blocks)
@@ -291,7 +308,7 @@ class BlockLayout:
         """Blocks per grid cell so that neither side of ``block_grid(max_side=...)`` exceeds ``max_side``."""
         if max_side is None:
             return 1
-        return max(1, -(-max(self.n_q_blocks, self.n_k_blocks) // check_int("max_side", max_side, 1)))
+        return max(1, ceil_div(max(self.n_q_blocks, self.n_k_blocks), check_int("max_side", max_side, 1)))
 
     def block_grid(self, batch: int = 0, head: int = 0, max_side: int | None = None) -> np.ndarray:
         """Block states of one (example, head): 0 skipped, 1 partial, 2 full, as an int8 grid.
@@ -306,7 +323,7 @@ class BlockLayout:
         blocks = self.to_scipy(batch, head).tocoo()
         state = np.where(blocks.data == self._block_areas(blocks.row, blocks.col), 2, 1).astype(np.int8)
         factor = self.bin_factor(max_side)
-        grid = np.zeros((-(-self.n_q_blocks // factor), -(-self.n_k_blocks // factor)), dtype=np.int8)
+        grid = np.zeros((ceil_div(self.n_q_blocks, factor), ceil_div(self.n_k_blocks, factor)), dtype=np.int8)
         np.maximum.at(grid, (blocks.row // factor, blocks.col // factor), state)
         return grid
 
@@ -381,6 +398,13 @@ class BlockLayout:
 # ------------------------------------------------------------------------------------------------
 # Checking a hand-built layout
 # ------------------------------------------------------------------------------------------------
+def _check_pattern_like(pattern) -> None:
+    """A layout keeps its pattern only to print it. This module sits below the pattern modules (the
+    compiler imports it), so it checks for the Pattern interface rather than the class."""
+    if pattern is not None and not all(callable(getattr(pattern, name, None)) for name in ("layout", "to_dict")):
+        raise TypeError(f"BlockLayout pattern must be a sparse_attn Pattern, got {type(pattern).__name__}: {pattern!r}")
+
+
 def _check_tensors(layout: BlockLayout) -> None:
     """Everything the kernels rely on, for a layout not built by ``pattern.layout``; see BlockLayout."""
     _check_dtypes_and_device(layout)
@@ -475,176 +499,3 @@ def _check_tiles_end_with_sequence(layout: BlockLayout, masks: np.ndarray, group
         raise ValueError(f"BlockLayout masks[{tiles[outside][0]}] allows pairs outside the sequence (query rows >= "
                          f"{layout.n_q} or keys >= {layout.n_k}) in a block of the last row or column; tiles must be "
                          f"False there")
-
-
-# ------------------------------------------------------------------------------------------------
-# Building
-# ------------------------------------------------------------------------------------------------
-@host_only  # host-side numpy: under torch.compile a graph break, not a trace
-def build_layout(pattern: Pattern, n_q: int, n_k: int | None, heads: int, block_size: int, *,
-                 causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
-    """See :meth:`Pattern.layout`. Layouts are cached, call-time masks by their values, so every layer
-    of a model called with the same padding shares one layout.
-
-    Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
-    the compiled function and pass it to ``sparse_attention``.
-    """
-    check_pattern("pattern", pattern)
-    n_q, n_k = _check_lengths(n_q, n_k)
-    heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
-    causal = check_bool("causal", causal)
-    pattern.check_heads(heads)
-    batch = None
-    if global_mask is not None:
-        global_mask = _check_token_mask("global_mask", global_mask, None, n_q)
-        if n_q != n_k:
-            raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), "
-                             f"got n_q={n_q}, n_k={n_k}")
-        batch = global_mask.shape[0]
-    if key_padding_mask is not None:
-        key_padding_mask = _check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
-    return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
-                          _Mask.of(key_padding_mask))
-
-
-def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
-    if isinstance(mask, torch.Tensor):
-        if mask.device.type == "meta":
-            raise ValueError(f"{name} is a meta tensor: its values, which decide the layout, cannot be read; pass "
-                             f"a tensor with values (sparse_attention with meta q, k, v needs no layout)")
-        mask = mask.detach().cpu().numpy()
-    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
-        raise TypeError(f"{name} must be a bool tensor of shape (batch, {n}), got "
-                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool()")
-    if mask.ndim != 2 or mask.shape[1] != n or mask.shape[0] == 0 or (batch is not None and mask.shape[0] != batch):
-        expected = f"(batch, {n}) with batch >= 1" if batch is None else f"({batch}, {n})"
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
-    return mask
-
-
-class _Mask(NamedTuple):
-    """A call-time bool mask as a hashable value (its shape and packed bits), for the layout cache."""
-
-    shape: tuple[int, int]
-    bits: bytes
-
-    @staticmethod
-    def of(mask: np.ndarray | None) -> _Mask | None:
-        return None if mask is None else _Mask(mask.shape, np.packbits(mask).tobytes())
-
-    def array(self) -> np.ndarray:
-        n = self.shape[0] * self.shape[1]
-        return np.unpackbits(np.frombuffer(self.bits, np.uint8), count=n).astype(bool).reshape(self.shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
-                   key_padding_mask: _Mask | None) -> BlockLayout:
-    masks = [None if m is None else m.array() for m in (global_mask, key_padding_mask)]
-    batch = next((m.shape[0] for m in masks if m is not None), None)
-    return _build(pattern, n_q, n_k, heads, block_size, causal, batch, *masks)
-
-
-def _build(pattern, n_q, n_k, heads, block_size, causal, batch, global_mask, key_padding_mask) -> BlockLayout:
-    # a block_size beyond both lengths means one block a side, as a block of max(n_q, n_k) does: compile
-    # with that, so no cost and no intermediate depends on how large block_size is
-    step = min(block_size, max(n_q, n_k))
-    n_heads = heads if pattern.head_dependent else 1
-    tables, tiles = [], []
-    for b in range(batch or 1):
-        for h in range(n_heads):
-            ctx = _Ctx(n_q, n_k, h)
-            positions = None if global_mask is None else np.flatnonzero(global_mask[b]).astype(np.int64)
-            rule = with_call_data(pattern._resolve(ctx), positions, causal,
-                                  None if key_padding_mask is None else key_padding_mask[b])
-            keys, full, tile, masks = _compile(rule, ctx, step)
-            tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
-            tiles.append(masks)
-    masks, remap = _unique_tiles(np.concatenate(tiles))
-    n_kb = _n_blocks(n_k, step)
-    shape = (batch or 1, n_heads)
-    group = np.concatenate([np.full(len(t[0]), g, dtype=np.int64) for g, t in enumerate(tables)])
-    keys, full, tile = (np.concatenate(column) for column in zip(*tables))
-    if len(keys) > _INT32_MAX:
-        raise ValueError(f"the layout has {len(keys)} (example, head, block) entries, more than its int32 indices "
-                         f"hold ({_INT32_MAX}); use a larger block_size (got {block_size})")
-    rows, cols = keys // n_kb, keys % n_kb
-    tensors = {}
-    for kind, sel in (("full", full), ("part", ~full)):
-        g, r, c = group[sel], rows[sel], cols[sel]
-        t = remap[tile[sel]] if kind == "part" else None
-        by_col = np.lexsort((r, c, g))
-        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, _n_blocks(n_q, step))
-        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
-        tensors[f"{kind}_t_ptr"] = _ptr(g[by_col], c[by_col], shape, n_kb)
-        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
-        if t is not None:
-            tensors["part_mask"] = torch.from_numpy(t.astype(np.int32))
-            tensors["part_t_mask"] = torch.from_numpy(t[by_col].astype(np.int32))
-    tensors["masks"] = torch.from_numpy(masks)
-    return BlockLayout._trusted(pattern, n_q, n_k, heads, block_size, causal, tensors)
-
-
-def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int) -> torch.Tensor:
-    """CSR row pointers (shape..., n_rows + 1) for entries sorted by (group, row)."""
-    counts = np.bincount(group * n_rows + row, minlength=shape[0] * shape[1] * n_rows).reshape(-1, n_rows)
-    ptr = np.zeros((counts.shape[0], n_rows + 1), dtype=np.int64)
-    ptr[:, 1:] = np.cumsum(counts, axis=1)
-    ptr += np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]])[:, None]
-    return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))
-
-
-def _compile(rule: Pattern, ctx: _Ctx, bs: int):
-    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles.
-
-    Partial blocks are grouped by signature (plus whether they are cut by the sequence end); one
-    tile per group is evaluated at token level, then tiles that turn out all-allowed promote their
-    blocks to full and all-empty ones drop them.
-    """
-    keys, full, sig = block_table(rule, ctx, bs)
-    n_qb, n_kb = _n_blocks(ctx.n_q, bs), _n_blocks(ctx.n_k, bs)
-    rows, cols = keys // n_kb, keys % n_kb
-    part = np.flatnonzero(~full)
-    cut = ((rows[part] == n_qb - 1) & (ctx.n_q % bs != 0)) * 2 + ((cols[part] == n_kb - 1) & (ctx.n_k % bs != 0))
-    _, first, group = np.unique(np.column_stack([sig[part], cut]), axis=0, return_index=True, return_inverse=True)
-    group = group.reshape(-1)
-    tiles = _tiles(rule, ctx, bs, rows[part][first] * bs, cols[part][first] * bs)
-    allowed = tiles.sum((1, 2))
-    area = (np.minimum(rows[part][first] * bs + bs, ctx.n_q) - rows[part][first] * bs) * \
-           (np.minimum(cols[part][first] * bs + bs, ctx.n_k) - cols[part][first] * bs)
-    keep_tile = (allowed > 0) & (allowed < area)
-    new_id = np.cumsum(keep_tile) - 1
-    keep = np.ones(len(keys), dtype=bool)
-    keep[part] = allowed[group] > 0
-    full = full.copy()
-    full[part] = allowed[group] == area[group]
-    tile = np.full(len(keys), -1, dtype=np.int64)
-    tile[part] = np.where(keep_tile[group], new_id[group], -1)
-    return keys[keep], full[keep], tile[keep], tiles[keep_tile]
-
-
-def _tiles(rule, ctx, bs, i0, j0) -> np.ndarray:
-    """Token masks (n, tq, tk) of blocks starting at query row i0 and key j0, False outside the sequence;
-    tq = min(bs, n_q), tk = min(bs, n_k). Evaluated a few tile rows at a time, in bounded memory."""
-    tq, tk = min(bs, ctx.n_q), min(bs, ctx.n_k)
-    out = np.zeros((len(i0) * tq, tk), dtype=bool)                      # every tile row, stacked
-    cols = np.arange(tk, dtype=np.int64)
-    rows_per_chunk = max(1, _TILE_ELEMENTS // tk)
-    for s in range(0, len(out), rows_per_chunk):
-        row = np.arange(s, min(s + rows_per_chunk, len(out)), dtype=np.int64)
-        i = (i0[row // tq] + row % tq)[:, None]                        # (rows, 1) query rows
-        j = j0[row // tq][:, None] + cols[None, :]                     # (rows, tk) keys
-        inside = (i < ctx.n_q) & (j < ctx.n_k)
-        positions = np.minimum(i, ctx.n_q - 1) + ctx.shift
-        out[s:s + len(row)] = rule._allows(positions, np.minimum(j, ctx.n_k - 1), ctx) & inside
-    return out.reshape(len(i0), tq, tk)
-
-
-def _unique_tiles(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Deduplicate tiles across examples and heads: (unique tiles, old index -> new index)."""
-    if len(tiles) == 0:
-        return tiles, np.zeros(0, dtype=np.int64)
-    packed = np.packbits(tiles.reshape(len(tiles), -1), axis=1)
-    _, first, inverse = np.unique(packed, axis=0, return_index=True, return_inverse=True)
-    return tiles[first], inverse.reshape(-1)
-

@@ -58,11 +58,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     q, k = q.detach().to(compute), k.detach().to(compute)
     group = heads // k.shape[1]
     layout = layout.to(q.device)
-    bs = layout.tile_shape[0]                                       # query rows per block
-    rows_per_chunk = max(1, _SCORES_PER_CHUNK // (bs * n_k))
     parts = [[[] for _ in range(heads)] for _ in range(batch)]      # per (b, h): (row counts, cols, values)
-    for r0 in range(0, layout.n_q_blocks, rows_per_chunk):
-        r1 = min(r0 + rows_per_chunk, layout.n_q_blocks)
+    for r0, r1, chunk_rows in layout.query_chunks(n_k, _SCORES_PER_CHUNK):
         mask = layout.row_mask(r0, r1)                              # (Bl, Hl, rows, Nk)
         # the allowed pairs of each stored (example, head) mask, found once and shared by its users
         pairs = {(bl, hl): (mask[bl, hl].nonzero(as_tuple=True), mask[bl, hl].sum(-1).cpu().numpy())
@@ -71,7 +68,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
             for h in range(heads):
                 stored = (b % mask.shape[0], h % mask.shape[1])
                 (rows, cols), counts = pairs[stored]
-                q_rows = q[b, h, r0 * bs:min(r1 * bs, n_q)]                          # (rows, D)
+                q_rows = q[b, h, chunk_rows]                                         # (rows, D)
                 scores = (q_rows @ k[b, h // group].T) * scale                       # (rows, Nk)
                 probs = torch.softmax(scores.masked_fill(~mask[stored], float("-inf")), dim=-1)
                 parts[b][h].append((counts, cols.cpu().numpy(), probs[rows, cols].cpu().numpy()))

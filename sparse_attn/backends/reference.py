@@ -26,14 +26,11 @@ def attention(q, k, v, layout: BlockLayout, scale: float):
     dtype = q.dtype
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
-    batch, heads, n_q, _ = q.shape
-    bs = layout.tile_shape[0]  # query rows per block: block_size, or n_q when shorter
-    rows_per_chunk = max(1, _SCORES_PER_CHUNK // (batch * heads * bs * layout.n_k))
+    batch, heads = q.shape[:2]
     recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []
-    for r0 in range(0, layout.n_q_blocks, rows_per_chunk):
-        r1 = min(r0 + rows_per_chunk, layout.n_q_blocks)
-        q_chunk = q[:, :, r0 * bs:min(r1 * bs, n_q)]
+    for r0, r1, rows in layout.query_chunks(batch * heads * layout.n_k, _SCORES_PER_CHUNK):
+        q_chunk = q[:, :, rows]                                         # (B, Hq, rows, D)
         if recompute:
             out, lse = checkpoint(_attend_chunk, q_chunk, k, v, layout, r0, r1, scale, use_reentrant=False)
         else:
