@@ -51,7 +51,7 @@ from ..layout import BlockLayout
 BLOCK_SIZE = 64
 MAX_HEAD_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores in log2 units for exp2; constexpr, so kernels read it
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     empty = l_i == 0.0                                                    # rows with no allowed key
     l_i = tl.where(empty, 1.0, l_i)
     out = acc / l_i[:, None]                                              # (BLOCK_M, BLOCK_D)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / 1.4426950408889634)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / _LOG2E)
     o_ptrs = _matrix(Out, b, h, stride_ob, stride_oh) + queries[:, None] * stride_on \
         + dims[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
@@ -184,7 +184,7 @@ def _bwd_preprocess_kernel(Out, DOut, Lse, DLse, Delta, Lse2,
     if HAS_DLSE:
         delta -= tl.load(DLse + rows, mask=queries < n_q, other=0.0)
     lse = tl.load(Lse + rows, mask=queries < n_q, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     tl.store(Delta + rows, delta, mask=queries < n_q)
     tl.store(Lse2 + rows, lse2, mask=queries < n_q)
 
@@ -404,7 +404,7 @@ def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
     grid = (triton.cdiv(n_q, block), batch * heads)
     _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
                       *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_layout_strides(full_ptr),
-                      scale * _LOG2E, n_q, k.shape[2], heads, heads // k.shape[1],
+                      scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1],
                       **_launch(q, backward=False), **_meta(q, k, block))
     return out, lse
 
@@ -428,11 +428,11 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
     _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
-        *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E, n_q, n_k, heads, kv_heads, heads // kv_heads,
+        *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, kv_heads, heads // kv_heads,
         **launch, **meta)
     _bwd_q_kernel[q_grid](
         q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
-        *common, *_layout_strides(full_ptr), scale, scale * _LOG2E, n_q, n_k, heads, heads // kv_heads,
+        *common, *_layout_strides(full_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, heads // kv_heads,
         **launch, **meta)
     return dq, dk, dv
 
