@@ -1,15 +1,12 @@
 """What a pattern means for one (n_q, n_k, head): the rules that ``Pattern.mask`` and the compiler evaluate.
 
 >>> import numpy as np, sparse_attn as sa
->>> rule = resolve(sa.Local(1) | sa.Global(first=1), Context(n_q=5, n_k=5, head=0))
+>>> rule = resolve(sa.Dilated(1, 2) | sa.Global(first=1), Context(n_q=6, n_k=6, head=0))
 >>> rule
-UnionRule(WindowRule(before=1, after=1, unit=1), TokenRule(rows=[0], cols=[0]))
->>> rule.allows(np.arange(5)[:, None], np.arange(5)[None, :]).astype(int)
-array([[1, 1, 1, 1, 1],
-       [1, 1, 1, 0, 0],
-       [1, 1, 1, 1, 0],
-       [1, 0, 1, 1, 1],
-       [1, 0, 0, 1, 1]])
+UnionRule(IntersectionRule(WindowRule(before=2, after=2, unit=1), StrideRule(stride=2, offset=0)),
+          TokenRule(rows=[0], cols=[0]))
+>>> rule.allows(np.array([3]), np.arange(6))                  # query position 3 against every key
+array([ True,  True, False,  True, False,  True])
 
 A ``Pattern`` (pattern.py) is the user's spec, independent of sequence length. ``resolve`` turns it,
 for a :class:`Context` (n_q, n_k, head), into a tree of :class:`Rule` objects: sugar expanded
@@ -44,7 +41,8 @@ with a new ``kind`` and a resolver here, ``@resolver(kind)``, returning existing
 from __future__ import annotations
 
 import abc
-from typing import Callable, NamedTuple
+import functools
+from typing import Callable, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -275,7 +273,10 @@ class RandomTilesRule(Rule):
 
 
 class _CombinationRule(Rule):
-    """Members of one operator; nested members of the same operator are flattened into it."""
+    """Members of one operator, combined by ``_combine`` (logical or / and); nested members of the same
+    operator are flattened into it."""
+
+    _combine: ClassVar[np.ufunc]
 
     def __init__(self, *members: Rule):
         self.members = tuple(m for member in members
@@ -284,7 +285,10 @@ class _CombinationRule(Rule):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(map(repr, self.members))})"
 
-    def _classify_members(self, b):
+    def allows(self, i, j):
+        return functools.reduce(self._combine, (m.allows(i, j) for m in self.members))
+
+    def classify(self, b):
         results = [m.classify(b) for m in self.members]
         columns = []
         for nonempty, full, member_sig in results:
@@ -292,23 +296,15 @@ class _CombinationRule(Rule):
             state = np.where(full, -1, np.where(nonempty, 0, -2))
             columns.append(state[:, None])
             columns.append(np.where(state[:, None] == 0, _as_columns(member_sig, b.i0.shape[0]), 0))
-        return results, np.concatenate(columns, axis=1)
+        nonempty = self._combine.reduce([r[0] for r in results])
+        full = self._combine.reduce([r[1] for r in results])
+        return nonempty, full, np.concatenate(columns, axis=1)
 
 
 class UnionRule(_CombinationRule):
     """Pairs allowed by any member."""
 
-    def allows(self, i, j):
-        out = self.members[0].allows(i, j)
-        for m in self.members[1:]:
-            out = out | m.allows(i, j)
-        return out
-
-    def classify(self, b):
-        results, sig = self._classify_members(b)
-        nonempty = np.logical_or.reduce([r[0] for r in results])
-        full = np.logical_or.reduce([r[1] for r in results])
-        return nonempty, full, sig
+    _combine = np.logical_or
 
     def candidates(self, ctx, block_size):
         keys = [m.candidates(ctx, block_size) for m in self.members]
@@ -320,17 +316,7 @@ class UnionRule(_CombinationRule):
 class IntersectionRule(_CombinationRule):
     """Pairs allowed by every member."""
 
-    def allows(self, i, j):
-        out = self.members[0].allows(i, j)
-        for m in self.members[1:]:
-            out = out & m.allows(i, j)
-        return out
-
-    def classify(self, b):
-        results, sig = self._classify_members(b)
-        nonempty = np.logical_and.reduce([r[0] for r in results])
-        full = np.logical_and.reduce([r[1] for r in results])
-        return nonempty, full, sig
+    _combine = np.logical_and
 
     def candidates(self, ctx, block_size):
         keys = [k for k in (m.candidates(ctx, block_size) for m in self.members) if k is not None]

@@ -12,6 +12,13 @@ def tensors(b=2, h=4, n=32, d=8, kv_heads=None, n_k=None, dtype=torch.float32):
     return q, k, k.clone()
 
 
+def padding_from(example, start, b=2, n=32):
+    """key_padding_mask (b, n): the keys of ``example`` from ``start`` on are padding."""
+    padding = torch.zeros(b, n, dtype=torch.bool)
+    padding[example, start:] = True
+    return padding
+
+
 def call(*args, **kwargs):
     kwargs.setdefault("backend", "reference")
     return sa.sparse_attention(*args, **kwargs)
@@ -69,8 +76,7 @@ def test_prebuilt_layout_is_reused_and_equals_the_pattern_call():
 
 def test_per_example_layout_with_matching_batch():
     q, k, v = tensors()
-    padding = torch.zeros(2, 32, dtype=torch.bool)
-    padding[1, 20:] = True
+    padding = padding_from(1, 20)
     layout = sa.Local(4).layout(32, heads=4, key_padding_mask=padding)
     torch.testing.assert_close(call(q, k, v, layout), call(q, k, v, sa.Local(4), key_padding_mask=padding))
     with pytest.raises(ValueError, match="the BlockLayout was built for a batch of 2 but q has batch 3"):
@@ -90,8 +96,7 @@ def test_auto_picks_numba_on_cpu():
 
 def test_building_a_layout_inside_torch_compile_is_a_graph_break_not_an_error():
     q, k, v = tensors()
-    padding = torch.zeros(2, 32, dtype=torch.bool)
-    padding[0, 25:] = True
+    padding = padding_from(0, 25)
     attend = lambda q, k, v, padding: call(q, k, v, sa.Local(4) | sa.Global(first=1), key_padding_mask=padding)
     compiled = torch.compile(attend, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, padding), attend(q, k, v, padding))
@@ -136,8 +141,7 @@ def test_meta_inputs_are_still_checked():
 
 def test_numpy_values_where_torch_ones_are_expected():
     q, k, v = tensors()
-    padding = np.zeros((2, 32), dtype=bool)
-    padding[1, 20:] = True
+    padding = padding_from(1, 20).numpy()
     expected = call(q, k, v, sa.Local(4), key_padding_mask=torch.from_numpy(padding), causal=True, scale=0.25)
     torch.testing.assert_close(call(q, k, v, sa.Local(np.int64(4)), key_padding_mask=padding, causal=np.bool_(True),
                                     scale=np.float32(0.25)), expected)
