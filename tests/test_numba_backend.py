@@ -1,6 +1,7 @@
 """The Numba CPU backend against the reference backend: values, lse and gradients."""
 from __future__ import annotations
 
+import doctest
 import itertools
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_cpu
+from sparse_attn.backends import numba_bundles, numba_cpu, numba_lowlevel
 
 from .tolerance import assert_within_rule
 
@@ -376,6 +377,43 @@ def test_pattern_argument_uses_block_size_64(monkeypatch):
     assert seen == [64]
 
 
+_LARGE_BLOCKS = r"""
+import json, resource, torch, sparse_attn as sa
+
+q = torch.randn(1, 1, 64, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+def run(layout, backend):
+    out = sa.sparse_attention(q, q, q, layout, backend=backend)
+    return [out.detach(), *torch.autograd.grad(out.square().sum(), q)]
+
+layouts = [sa.Local(1).layout(64, block_size=bs) for bs in (20000, 2**17)]
+refs = [run(layout, "reference") for layout in layouts]
+run(sa.Local(1).layout(64), "numba")                                          # compiled before the limit
+size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, resource.RLIM_INFINITY))
+close = [all(torch.allclose(a, b, atol=1e-5) for a, b in zip(run(layout, "numba"), ref))
+         for layout, ref in zip(layouts, refs)]
+print(json.dumps(close))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and RLIMIT_AS")
+def test_block_size_beyond_the_sequence_uses_memory_of_the_sequence():
+    """block_size 20000 and 2**17 for 64 tokens: worker scratch is sized by what a block holds in this
+    sequence (min(block_size, n)), not by block_size; before, 2**17 asked for 64 GiB per worker and
+    failed with SystemError, and 20000 reserved 1.6 GB per panel buffer. Forward and backward run under
+    an address-space limit of 1 GiB above what the process holds, and match the reference."""
+    run = subprocess.run([sys.executable, "-c", _LARGE_BLOCKS], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == [True, True]
+
+
+@pytest.mark.parametrize("module", [numba_cpu, numba_bundles, numba_lowlevel], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
 def test_non_cpu_tensors_are_refused():
     q = torch.empty(1, 1, 64, 16, device="meta")  # sparse_attention answers meta tensors before any backend
     with pytest.raises(ValueError, match=r"backend='numba' runs on CPU tensors.*backend='triton'.*\.cpu\(\)"):
@@ -391,7 +429,7 @@ _CONCURRENT_CALLS = r"""
 import json, threading
 import numba, torch, sparse_attn as sa
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_cpu
+from sparse_attn.backends import numba_lowlevel
 
 def run(q, k, v):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -401,7 +439,7 @@ def run(q, k, v):
 layout = (sa.Local(32) | sa.Global(first=2)).layout(700, heads=4, block_size=64)
 gen = torch.Generator().manual_seed(0)
 inputs = [[torch.randn(1, 4, 700, 32, generator=gen) for _ in range(3)] for _ in range(6)]
-blas = numba_cpu._scipy_openblas()
+blas = numba_lowlevel.scipy_openblas()
 if blas is not None:
     blas.scipy_openblas_set_num_threads(2)
 expected = [run(*x) for x in inputs]

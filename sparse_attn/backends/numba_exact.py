@@ -1,0 +1,157 @@
+"""The exact path of the Numba backend: rows and keys whose fast result is not finite, recomputed
+by the reference's formulas over exactly their allowed pairs, in float64.
+
+The fast path cannot keep a NaN or inf to the pairs that meet it: inside a computed tile a masked
+pair multiplies its zero weight by the NaN in a matmul. So ``numba_cpu`` sends here the rows of the
+forward (``exact_row``), the keys of the backward's dk, dv (``exact_dk_dv``) and the rows of its dq
+(``exact_dq_rows``) that came out NaN or inf. Scores are rounded to the inputs' dtype, so that they
+overflow where torch's do. Finite inputs never come here unless a value overflows.
+
+Bundles (``qkv`` = (q, k, v), ``ForwardResult``, ``Incoming``, ``BlockIndex``, ``Config``) are
+those of ``numba_bundles``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .numba_bundles import segment
+from .numba_lowlevel import like
+
+
+@njit(cache=True, fastmath=False)
+def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
+    """Row i of a query block (q_i (D,); k, v (Nk, D) of its kv head; key_blocks: the block's Segment) as the
+    reference computes it over the row's allowed keys: shift = the max score (NaN if a score is NaN,
+    0 if it is infinite), w = exp(s - shift), out = sum(w / sum(w) * v), lse = shift + log(sum(w));
+    no key with w > 0: out 0 @ v, lse -inf. Writes out_i; returns lse and the row's base-2 max,
+    log2 sum and argmax for the backward: for a row with no key (lse -inf) +inf, so that P = 0; for
+    lse NaN or +inf, NaN, so that every pair of the row goes to the exact backward."""
+    scale = config.scale
+    keys = np.empty(k.shape[0], np.int64)
+    n = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False, keys)
+    shift, arg, nan = -np.inf, -1, False
+    for t in range(n):
+        s = _score(q_i, k[keys[t]], scale)
+        if s != s:
+            nan = True
+        elif s > shift:
+            shift, arg = s, keys[t]
+    shift = np.nan if nan else (0.0 if np.isinf(shift) else shift)
+    total = 0.0
+    for t in range(n):
+        total += np.exp(_score(q_i, k[keys[t]], scale) - shift)
+    norm = total if total != 0 else 1.0
+    acc = np.zeros(out_i.size)
+    for t in range(n):
+        w = np.exp(_score(q_i, k[keys[t]], scale) - shift) / norm
+        for d in range(out_i.size):
+            acc[d] += w * v[keys[t], d]
+    out_i[:] = acc
+    if total == 0:
+        return -np.inf, np.inf, 0.0, -1
+    lse = shift + np.log(total)
+    if not np.isfinite(lse):
+        return lse, np.nan, 0.0, -1
+    return lse, _score(q_i, k[arg], config.base2_scale), np.log2(total), arg
+
+
+@njit(cache=True, fastmath=False)
+def exact_dk_dv(qkv, result, incoming, columns, config, b, g, j):
+    """(dk, dv) (D,) float64 of key j of kv head g in example b: over the query heads of the group
+    and their queries allowed to see j (``columns``: the transposed BlockIndex)."""
+    q, k, _ = qkv
+    heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    group = heads // k.shape[1]
+    queries = np.empty(n_q, np.int64)
+    acc_k, acc_v = np.zeros(dim), np.zeros(dim)
+    for h in range(g * group, (g + 1) * group):
+        query_blocks = segment(columns, b, h, j // config.block_size)
+        n = _allowed(j % config.block_size, query_blocks, columns.masks, config.block_size, n_q, True, queries)
+        for e in range(n):
+            i = queries[e]
+            p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
+            for d in range(dim):
+                acc_v[d] += p * incoming.dout[b, h, i, d]
+                acc_k[d] += ds * q[b, h, i, d]
+    return config.scale * acc_k, acc_v
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def exact_dq_rows(rows, qkv, result, incoming, index, config, dq):
+    """dq (B, Hq, Nq, D) of the given rows (flat (example, head, query) indices) by the exact path;
+    ``index``: the row BlockIndex."""
+    for e in prange(rows.size):
+        _exact_dq_row(rows[e], qkv, result, incoming, index, config, dq)  # prange bodies only call: see numba_bundles
+
+
+@njit(cache=True, fastmath=False)
+def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
+    q, k, _ = qkv
+    heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    b, h, i = row // (heads * n_q), row // n_q % heads, row % n_q
+    g, n_k = h // (heads // k.shape[1]), k.shape[2]
+    keys = np.empty(n_k, np.int64)
+    key_blocks = segment(index, b, h, i // config.block_size)
+    n = _allowed(i % config.block_size, key_blocks, index.masks, config.block_size, n_k, False, keys)
+    acc = np.zeros(dim)
+    for t in range(n):
+        j = keys[t]
+        _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
+        for d in range(dim):
+            acc[d] += ds * k[b, g, j, d]
+    dq[b, h, i] = config.scale * acc
+
+
+@njit(cache=True, fastmath=False)
+def _pair_grads(qkv, result, incoming, config, b, h, i, j):
+    """(P, dS) in float64 of the allowed pair (query i of head h, key j) of example b, as the fast
+    backward forms them: P = 2 ** (min(S - row max, 0) - log2 sum), with S - row max = 0 for the
+    row's maximum, and dS = P (dO . v - delta). A row with a +inf score (lse +inf) has
+    P = exp(s) / inf, as the reference forms it (its shift is 0): NaN where exp(s) overflows in the
+    inputs' dtype, else 0."""
+    q, k, v = qkv
+    g = h // (q.shape[1] // k.shape[1])
+    q_i, k_j, v_j, do_i = q[b, h, i], k[b, g, j], v[b, g, j], incoming.dout[b, h, i]
+    if result.lse[b, h, i] == np.inf:
+        p = np.float64(like(config.scale, np.exp(_score(q_i, k_j, config.scale)))) / np.inf
+    else:
+        x = 0.0 if result.argmax[b, h, i] == j else _score(q_i, k_j, config.base2_scale) - result.row_max[b, h, i]
+        p = np.exp2((0.0 if x > 0 else x) - result.log2_sum[b, h, i])
+    dp = 0.0
+    for d in range(do_i.size):
+        dp += np.float64(do_i[d]) * np.float64(v_j[d])
+    return p, p * (dp - incoming.delta[b, h, i])
+
+
+@njit(cache=True, fastmath=False)
+def _allowed(pos, blocks, masks, block_size, n, transposed, tokens):
+    """Writes into ``tokens`` the tokens that token ``pos`` of its block pairs with, ascending, and
+    returns their count. Row index (transposed False): pos is a query's offset in its query block and
+    the Segment ``blocks`` holds key blocks; transposed: pos is a key's offset in its key block and
+    the blocks are query blocks."""
+    count, full_at, part_at = 0, 0, 0
+    while full_at < blocks.full.size or part_at < blocks.partial.size:
+        full = part_at >= blocks.partial.size or (full_at < blocks.full.size
+                                                  and blocks.full[full_at] < blocks.partial[part_at])
+        start = (blocks.full[full_at] if full else blocks.partial[part_at]) * block_size
+        for t in range(start, min(start + block_size, n)):
+            if full or (masks[blocks.tiles[part_at], t - start, pos] if transposed
+                        else masks[blocks.tiles[part_at], pos, t - start]):
+                tokens[count] = t
+                count += 1
+        if full:
+            full_at += 1
+        else:
+            part_at += 1
+    return count
+
+
+@njit(cache=True, fastmath=False)
+def _score(x, y, scale):
+    """scale * (x . y) rounded as torch rounds it in the inputs' dtype (the dot product, then the
+    product), so that it overflows where the reference's does; summed in float64, returned as float64."""
+    dot = 0.0
+    for d in range(x.size):
+        dot += np.float64(x[d]) * np.float64(y[d])
+    return np.float64(like(scale, like(scale, dot) * scale))

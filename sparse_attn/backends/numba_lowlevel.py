@@ -1,0 +1,211 @@
+"""What the Numba kernels stand on: BLAS ?gemm without temporaries, a vectorisable float32 ``exp2``,
+an atomic task counter, fastmath flags, and the process-wide BLAS thread setting around a call.
+
+>>> import numpy as np
+>>> from sparse_attn.backends.numba_lowlevel import gemm
+>>> a, b = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32)
+>>> c = np.ones((2, 4), np.float32)
+>>> gemm(np.float32(2), a, False, b, True, np.float32(1), c)                  # c = 2 a @ b.T + c
+>>> c.tolist()
+[[7.0, 7.0, 7.0, 7.0], [7.0, 7.0, 7.0, 7.0]]
+
+Nothing here knows about attention; ``numba_cpu`` imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import glob
+import math
+import os
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+from numba.np.linalg import check_blas_return
+
+# No 'nnan'/'ninf': -inf marks masked scores and empty rows, and NaN and inf in the inputs must
+# propagate. Code that tests for NaN/inf says fastmath=False: a function without its own flags
+# inherits its caller's, and under 'reassoc' x - x folds to 0, which is how Numba writes isfinite.
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Matmuls: BLAS ?gemm with alpha, beta and transposes
+# ------------------------------------------------------------------------------------------------
+@intrinsic
+def _xxgemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """Column-major BLAS ?gemm, c = alpha op(a) op(b) + beta c, through the binding Numba's np.dot
+    uses (``numba_xxgemm``: scipy's BLAS, found by name, so cached kernels stay valid)."""
+    def codegen(context, builder, signature, args):
+        ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc = args
+        dtype = signature.args[11].dtype
+        char, void_p, intp = ir.IntType(8), ir.IntType(8).as_pointer(), context.get_value_type(types.intp)
+        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, void_p, void_p, intp,
+                                                void_p, intp, void_p, void_p, intp])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+
+        def scalar(value, ty):
+            slot = cgutils.alloca_once_value(builder, context.cast(builder, value, ty, dtype))
+            return builder.bitcast(slot, void_p)
+
+        def data(value, ty):
+            return builder.bitcast(context.make_array(ty)(context, builder, value).data, void_p)
+
+        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
+        sig = signature.args
+        res = builder.call(fn, (kind, builder.trunc(ta, char), builder.trunc(tb, char), m, n, k,
+                                scalar(alpha, sig[5]), data(a, sig[6]), lda, data(b, sig[8]), ldb,
+                                scalar(beta, sig[10]), data(c, sig[11]), ldc))
+        check_blas_return(context, builder, res)
+        return context.get_dummy_value()
+    return types.void(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), codegen
+
+
+_N, _T = ord("n"), ord("t")
+
+
+@njit(cache=True)
+def gemm(alpha, a, trans_a, b, trans_b, beta, c):
+    """c (m, n) = alpha * op(a) @ op(b) + beta * c, op(x) = x.T if trans_x else x. a, b, c are
+    row-major with unit column stride (row slices of C-contiguous arrays, any row stride). BLAS is
+    column-major, where a row-major x reads as x.T: it computes c.T = op(b).T @ op(a).T."""
+    m, n = c.shape
+    inner = a.shape[0] if trans_a else a.shape[1]
+    if m == 0 or n == 0:
+        return
+    _xxgemm(_T if trans_b else _N, _T if trans_a else _N, n, m, inner, alpha,
+            b, max(1, b.strides[0] // b.itemsize), a, max(1, a.strides[0] // a.itemsize),
+            beta, c, max(1, c.strides[0] // c.itemsize))
+
+
+# ------------------------------------------------------------------------------------------------
+# Scalars: exp2, dtype conversion
+# ------------------------------------------------------------------------------------------------
+def exp2(x):
+    """2 ** x; vectorisable in float32 (no libm call): exactly 0 below 2 ** -126, inf above
+    2 ** 127, NaN for NaN (as libm's, which float64 uses)."""
+
+
+@intrinsic
+def _int_bits_as_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+_LN2 = math.log(2.0)
+_EXP2_COEFFS = tuple(np.float32(_LN2 ** i / math.factorial(i)) for i in range(8))  # degree 7: ~1e-7 relative
+_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = _EXP2_COEFFS
+_F32_MIN_EXP, _F32_MAX_EXP = np.float32(-126.0), np.float32(127.0)
+_HALF_F32, _ZERO_F32, _INF_F32 = np.float32(0.5), np.float32(0.0), np.float32(np.inf)
+
+
+@overload(exp2, fastmath=FASTMATH)
+def _exp2_impl(x):
+    if x == types.float32:
+        def exp2_f32(x):
+            normal = (x >= _F32_MIN_EXP) & (x <= _F32_MAX_EXP)                  # False for NaN
+            xc = x if normal else _ZERO_F32              # finite, so the int conversion is defined
+            n = np.floor(xc + _HALF_F32)                 # x = n + f, |f| <= 1/2
+            f = xc - n
+            p = _C0 + f * (_C1 + f * (_C2 + f * (_C3 + f * (_C4 + f * (_C5 + f * (_C6 + f * _C7))))))
+            scale = _int_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # 2 ** n
+            return p * scale if normal else (_ZERO_F32 if x < _F32_MIN_EXP else x * _INF_F32)  # NaN * inf = NaN
+        return exp2_f32
+    if x == types.float64:
+        return lambda x: np.exp2(x)
+
+
+def like(template, x):
+    """x converted to the float type of ``template`` (a float32 or float64 scalar)."""
+
+
+@overload(like)
+def _like_impl(template, x):
+    if template == types.float32:
+        return lambda template, x: np.float32(x)
+    return lambda template, x: np.float64(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Threads: a shared task counter, and BLAS kept to one thread while kernels run
+# ------------------------------------------------------------------------------------------------
+@intrinsic
+def fetch_add(typingctx, counter):
+    """counter[0] += 1 atomically (counter: a 1-element int64 array); returns the old value."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.atomic_rmw("add", array.data, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counter), codegen
+
+
+@functools.cache
+def scipy_openblas():
+    """scipy's OpenBLAS (the BLAS Numba's np.dot calls), or None where scipy uses another BLAS."""
+    import scipy
+
+    for path in glob.glob(os.path.join(os.path.dirname(scipy.__file__), os.pardir, "scipy.libs", "libscipy_openblas*")):
+        lib = ctypes.CDLL(path)
+        if hasattr(lib, "scipy_openblas_set_num_threads") and hasattr(lib, "scipy_openblas_get_num_threads"):
+            return lib
+    return None
+
+
+def _layer_is_threadsafe() -> bool:
+    """Whether Numba's threading layer takes parallel launches from several threads at once: omp
+    and tbb do; workqueue aborts the process; before the first launch the layer is not chosen yet."""
+    try:
+        return numba.threading_layer() != "workqueue"
+    except ValueError:                                   # no parallel launch yet
+        return False
+
+
+class KernelSection:
+    """``with KERNELS.running():`` around the parallel kernels of one call; safe from several threads.
+
+    - The kernels call BLAS from every worker thread: a BLAS that also threads each call would
+      oversubscribe the cores (and OpenBLAS warns "Detect OpenMP Loop"), so scipy's OpenBLAS runs
+      on one thread while any call is inside. Its thread count is process-wide: the first call in
+      saves it and sets 1, the last one out restores it (a count under a lock).
+    - Numba's workqueue threading layer aborts the process when two threads launch parallel
+      kernels at once: under it (and for the launch that picks the layer) calls run one at a time.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()                    # guards _inside and _blas_threads
+        self._inside = 0
+        self._blas_threads = 0
+        self._one_at_a_time = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self):
+        with contextlib.nullcontext() if _layer_is_threadsafe() else self._one_at_a_time:
+            self._enter()
+            try:
+                yield
+            finally:
+                self._leave()
+
+    def _enter(self):
+        lib = scipy_openblas()
+        with self._lock:
+            if self._inside == 0 and lib is not None:
+                self._blas_threads = lib.scipy_openblas_get_num_threads()
+                lib.scipy_openblas_set_num_threads(1)
+            self._inside += 1
+
+    def _leave(self):
+        lib = scipy_openblas()
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0 and lib is not None:
+                lib.scipy_openblas_set_num_threads(self._blas_threads)
+
+
+KERNELS = KernelSection()
