@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sparse_attn.machine import cpu_model, cpus, load_average
 
 PATTERNS = {"longformer": ("Local(256) | Global(first=16)", 12), "bigbird-itc": ("bigbird-itc", 12)}
 REPEATS = 3
@@ -64,8 +65,8 @@ def main() -> None:
             print(f"{name:12s} N={result['n']:>9,d}  build {result['build_s'] * 1e3:8.1f} ms  "
                   f"traced peak {result['traced_peak_mb']:7.1f} MB  layout {result['layout_mb']:6.1f} MB  "
                   f"rss {result['max_rss_mb']:6.0f} MB", flush=True)
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": platform.python_version(), "loadavg": os.getloadavg()}
+    machine = {"platform": platform.platform(), "processor": cpu_model(), "cpus": cpus(),
+               "python": platform.python_version(), "loadavg": load_average()}
     command = "python benchmarks/layout_build.py " + " ".join(sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "layout_build.json").write_text(json.dumps({"machine": machine, "command": command.strip(),

@@ -12,9 +12,11 @@ import numbers
 
 import numpy as np
 import torch
+from einops import rearrange
 
 from . import backends
 from .checks import check_bool
+from .compiler import check_call_masks
 from .layout import BlockLayout
 from .pattern import Pattern
 
@@ -82,10 +84,7 @@ def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causa
                              "the Pattern instead")
         _check_layout(pattern, batch, heads, n_q, n_k)
     elif isinstance(pattern, Pattern):
-        for name, mask, n in (("key_padding_mask", key_padding_mask, n_k), ("global_mask", global_mask, n_q)):
-            _check_call_mask(name, mask, batch, n)
-        if global_mask is not None and n_q != n_k:
-            raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), got n_q={n_q}, n_k={n_k}")
+        check_call_masks(n_q, n_k, global_mask, key_padding_mask, batch)
         pattern.check_heads(heads)
     else:
         raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
@@ -95,9 +94,10 @@ def _meta_attention(q, k, v):
     """out (B, Hq, Nq, D) and lse (B, Hq, Nq) as meta tensors: the reference computation with every pair
     allowed, which on meta tensors only propagates shapes, dtypes and the autograd graph."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q.unflatten(1, (k.shape[1], -1)), k).to(lse_dtype)  # (B, Hkv, G, Nq, Nk)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1).to(v.dtype), v)                     # (B, Hkv, G, Nq, D)
-    return out.flatten(1, 2), scores.logsumexp(-1).flatten(1, 2)
+    q = rearrange(q, "b (h g) q d -> b h g q d", h=k.shape[1])                                 # (B, Hkv, G, Nq, D)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).to(lse_dtype)                             # (B, Hkv, G, Nq, Nk)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", scores.softmax(-1).to(v.dtype), v)                 # (B, Hkv, G, Nq, D)
+    return rearrange(out, "b h g q d -> b (h g) q d"), rearrange(scores.logsumexp(-1), "b h g q -> b (h g) q")
 
 
 def resolve_scale(scale, head_dim: int) -> float:
@@ -144,18 +144,6 @@ def _choose_backend(backend: str, q: torch.Tensor) -> str:
     if backends.check_name(backend) != "auto":
         return backend
     return "triton" if q.device.type == "cuda" else "numba"
-
-
-def _check_call_mask(name: str, mask, batch: int, n: int) -> None:
-    if mask is None:
-        return
-    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            or isinstance(mask, np.ndarray) and mask.dtype == np.bool_):  # numpy bools work as in pattern.layout
-        raise TypeError(f"{name} must be a torch.bool tensor of shape ({batch}, {n}), got "
-                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool() "
-                        f"({'True = padding' if name == 'key_padding_mask' else 'True = global token'})")
-    if tuple(mask.shape) != (batch, n):
-        raise ValueError(f"{name} must have shape ({batch}, {n}), got {tuple(mask.shape)}")
 
 
 def _check_layout(layout: BlockLayout, batch: int, heads: int, n_q: int, n_k: int) -> None:

@@ -62,3 +62,22 @@ def check_float(name: str, value, *, low: float, high: float = math.inf, high_op
         interval = f"[{low:g}, {high:g}{')' if high_open else ']'}"
         raise ValueError(f"{name} must be a finite float in {interval}, got {value!r}")
     return value
+
+
+def check_token_mask(name: str, mask, batch: int | None, n: int) -> None:
+    """A call-time (batch, n) bool mask, torch or numpy (``batch=None``: any batch >= 1); not converted.
+
+    >>> check_token_mask("key_padding_mask", np.zeros((2, 5), dtype=bool), 2, 5)
+    >>> check_token_mask("key_padding_mask", np.zeros((2, 4), dtype=bool), None, 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: key_padding_mask must have shape (batch, 5) with batch >= 1, got (2, 4)
+    """
+    shape = f"(batch, {n})" if batch is None else f"({batch}, {n})"
+    if str(getattr(mask, "dtype", None)) not in ("torch.bool", "bool") or not hasattr(mask, "shape"):
+        meaning = "True = padding" if name == "key_padding_mask" else "True = global token"
+        raise TypeError(f"{name} must be a torch.bool tensor of shape {shape}, got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool() ({meaning})")
+    if len(mask.shape) != 2 or mask.shape[1] != n or mask.shape[0] == 0 or batch not in (None, mask.shape[0]):
+        expected = f"{shape} with batch >= 1" if batch is None else shape
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")

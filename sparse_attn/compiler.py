@@ -28,7 +28,7 @@ import torch
 
 from ._host import host_only
 from .blocks import block_areas, ceil_div, check_lengths
-from .checks import check_bool, check_int
+from .checks import check_bool, check_int, check_token_mask
 from .layout import BlockLayout
 from .rules import Context, Rule, block_table, resolve, with_call_data
 
@@ -50,33 +50,40 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
     causal = check_bool("causal", causal)
     pattern.check_heads(heads)
-    batch = None
-    if global_mask is not None:
-        global_mask = _check_token_mask("global_mask", global_mask, None, n_q)
-        if n_q != n_k:
-            raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), "
-                             f"got n_q={n_q}, n_k={n_k}")
-        batch = global_mask.shape[0]
-    if key_padding_mask is not None:
-        key_padding_mask = _check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
+    check_call_masks(n_q, n_k, global_mask, key_padding_mask)
+    global_mask, key_padding_mask = _mask_values("global_mask", global_mask), _mask_values("key_padding_mask",
+                                                                                            key_padding_mask)
     if not cache:
         return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask)
     return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
                           _Mask.of(key_padding_mask))
 
 
-def _check_token_mask(name: str, mask, batch: int | None, n: int) -> np.ndarray:
+def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: int | None = None) -> None:
+    """The call-time masks' types and shapes (``batch=None``: any batch, the same for both).
+
+    >>> check_call_masks(4, 3, torch.zeros(1, 4, dtype=torch.bool), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: global_mask needs n_q == n_k (global tokens are rows and columns), got n_q=4, n_k=3
+    """
+    if global_mask is not None:
+        check_token_mask("global_mask", global_mask, batch, n_q)
+        if n_q != n_k:
+            raise ValueError(f"global_mask needs n_q == n_k (global tokens are rows and columns), "
+                             f"got n_q={n_q}, n_k={n_k}")
+        batch = global_mask.shape[0]
+    if key_padding_mask is not None:
+        check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
+
+
+def _mask_values(name: str, mask) -> np.ndarray | None:
+    """A checked call-time mask as the numpy array its layout is built from."""
     if isinstance(mask, torch.Tensor):
         if mask.device.type == "meta":
             raise ValueError(f"{name} is a meta tensor: its values, which decide the layout, cannot be read; pass "
                              f"a tensor with values (sparse_attention with meta q, k, v needs no layout)")
         mask = mask.detach().cpu().numpy()
-    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
-        raise TypeError(f"{name} must be a bool tensor of shape (batch, {n}), got "
-                        f"{getattr(mask, 'dtype', type(mask).__name__)}; convert with .bool()")
-    if mask.ndim != 2 or mask.shape[1] != n or mask.shape[0] == 0 or (batch is not None and mask.shape[0] != batch):
-        expected = f"(batch, {n}) with batch >= 1" if batch is None else f"({batch}, {n})"
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(mask.shape)}")
     return mask
 
 

@@ -215,7 +215,8 @@ def _depth_error(what: str, depth: int) -> ValueError:
 
 def check_pattern(name: str, value) -> None:
     if not isinstance(value, Pattern):
-        raise TypeError(f"{name} must be a sparse_attn Pattern, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{name} must be a sparse_attn Pattern such as sa.Local(256) | sa.Global(first=1), "
+                        f"got {type(value).__name__}: {value!r}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from .blocks import ceil_div
 from .checks import check_int
 from .pattern import Causal, Global, Local, Pattern, Random, Sink, Stride
 
@@ -60,7 +61,7 @@ def bigbird(block: int = 64, window_blocks: int = 3, global_blocks: int = 2, ran
                          f"{window_blocks}; use {window_blocks + 1}")
     pattern = Local(window_blocks // 2, block_size=block)
     if global_blocks:
-        pattern = pattern | Global(first=-(-global_blocks // 2) * block, last=global_blocks // 2 * block)
+        pattern = pattern | Global(first=ceil_div(global_blocks, 2) * block, last=global_blocks // 2 * block)
     if random_blocks:
         pattern = pattern | Random(random_blocks, seed=seed, block_size=block)
     return pattern

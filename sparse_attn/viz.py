@@ -14,6 +14,7 @@ import textwrap
 
 import numpy as np
 
+from .blocks import ceil_div
 from .layout import BlockLayout
 
 _GRID_PIXELS = 512        # block grids larger than this are binned (a pixel shows its most-computed block)
@@ -57,7 +58,7 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     figure, axes = plt.subplots(2, len(heads), figsize=(max(3.2 * len(heads) + 0.6, 6.4), 6.8), squeeze=False,
                                 gridspec_kw={"height_ratios": [1, 1]})
     colours = ListedColormap([_COLORS["skipped"], _COLORS["partial"], _COLORS["full"]])
-    zoom_mask = layout.row_mask(0, -(-zoom // layout.block_size))                # (Bl, Hl, rows, n_k)
+    zoom_mask = layout.row_mask(0, ceil_div(zoom, layout.block_size))                # (Bl, Hl, rows, n_k)
     factor = layout.bin_factor(_GRID_PIXELS)
     for column, h in enumerate(heads):
         grid = layout.block_grid(batch, h, max_side=_GRID_PIXELS)
@@ -193,7 +194,7 @@ def plot_bench(results: dict, metric: str = "time"):
     columns = max(1, min(len(handles), int(figure.get_figwidth() / 1.8)))
     figure.legend(handles=handles, loc="lower center", ncol=columns, fontsize=8, frameon=False)
     config = results["config"]
-    rows = -(-len(handles) // columns)
+    rows = ceil_div(len(handles), columns)
     _suptitle(figure, f"{metric} vs N: B={config['batch']} H={config['heads']} D={config['head_dim']} "
                       f"{config['dtype']} {config['device']}, {'fwd+bwd' if config['backward'] else 'forward'}",
               bottom=(0.05 + 0.2 * rows) / figure.get_figheight())

@@ -88,10 +88,14 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     torch.testing.assert_close(call(q, k, v, sa.Local(3)), call(q, k, v, sa.Local(3), scale=0.25))
 
 
-def test_auto_picks_numba_on_cpu():
-    from sparse_attn.api import _choose_backend
-    assert _choose_backend("auto", torch.zeros(1)) == "numba"
-    assert _choose_backend("reference", torch.zeros(1)) == "reference"
+def test_auto_picks_numba_on_cpu(monkeypatch):
+    from sparse_attn import backends
+
+    loaded, load = [], backends.load
+    monkeypatch.setattr(backends, "load", lambda name: loaded.append(name) or load(name))
+    for backend in ("auto", "reference"):
+        call(*tensors(), sa.Local(1), backend=backend)
+    assert loaded == ["numba", "reference"]
 
 
 def test_building_a_layout_inside_torch_compile_is_a_graph_break_not_an_error():

@@ -202,7 +202,7 @@ def test_layout_validation():
         sa.Local(1).layout(16, block_size=0)
     with pytest.raises(ValueError, match=r"global_mask must have shape \(batch, 16\) with batch >= 1, got \(2, 15\)"):
         sa.Local(1).layout(16, global_mask=torch.zeros(2, 15, dtype=torch.bool))
-    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+    with pytest.raises(TypeError, match="key_padding_mask must be a torch.bool tensor"):
         sa.Local(1).layout(16, key_padding_mask=torch.zeros(2, 16))
     with pytest.raises(ValueError, match="global_mask needs n_q == n_k"):
         sa.Local(1).layout(16, 8, global_mask=torch.zeros(2, 16, dtype=torch.bool))

@@ -23,7 +23,9 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
                                     "sparse_attn.blocks", "sparse_attn.layout", "sparse_attn.api",
                                     "sparse_attn.presets", "sparse_attn.weights", "sparse_attn.viz",
                                     "sparse_attn.bench", "sparse_attn.cli", "sparse_attn.nn", "sparse_attn._host",
-                                    "sparse_attn.checks", "sparse_attn.backends"])
+                                    "sparse_attn.checks", "sparse_attn.backends", "sparse_attn.expression",
+                                    "sparse_attn.machine", "sparse_attn.bench.config",
+                                    "sparse_attn.bench.implementations", "sparse_attn.bench.report"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -35,7 +35,7 @@ def test_a_spec_kind_without_a_resolver_is_a_clear_error():
 def test_rules_are_not_patterns():
     rule = resolve(sa.Local(2) | sa.Global(first=1), Context(8, 8, 0))
     assert isinstance(rule, UnionRule) and not isinstance(rule, sa.Pattern)
-    with pytest.raises(TypeError, match=re.escape("right operand of | must be a sparse_attn Pattern, got UnionRule")):
+    with pytest.raises(TypeError, match="right operand of [|] must be a sparse_attn Pattern such as .*, got UnionRule"):
         sa.Local(1) | rule
     with pytest.raises(TypeError):
         rule | rule

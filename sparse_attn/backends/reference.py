@@ -9,6 +9,7 @@ any device and dtype (half inputs are computed in float32) and is differentiable
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from ..layout import BlockLayout
@@ -43,9 +44,9 @@ def attention(q, k, v, layout: BlockLayout, scale: float):
 def _attend_chunk(q, k, v, layout: BlockLayout, r0: int, r1: int, scale: float):
     """Exact softmax attention of query blocks r0..r1-1 over their allowed keys."""
     kv_heads = k.shape[1]
-    q = q.unflatten(1, (kv_heads, -1))                                  # (B, Hkv, G, rows, D)
+    q = rearrange(q, "b (h g) q d -> b h g q d", h=kv_heads)            # (B, Hkv, G, rows, D)
     mask = layout.row_mask(r0, r1)                                      # (Bl, Hl, rows, Nk)
-    mask = mask[:, :, None] if layout.shared_heads else mask.unflatten(1, (kv_heads, -1))
+    mask = mask[:, :, None] if layout.shared_heads else rearrange(mask, "b (h g) q k -> b h g q k", h=kv_heads)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale            # (B, Hkv, G, rows, Nk)
     scores = scores.masked_fill(~mask, float("-inf"))
     shift = scores.amax(-1, keepdim=True).detach()                      # softmax is shift-invariant
@@ -56,4 +57,4 @@ def _attend_chunk(q, k, v, layout: BlockLayout, r0: int, r1: int, scale: float):
     total = torch.where(empty, 1.0, total)                              # empty rows: 0 output, 0 grads
     lse = torch.where(empty, float("-inf"), shift + torch.log(total))   # (B, Hkv, G, rows, 1)
     out = torch.einsum("bhgqk,bhkd->bhgqd", weights / total, v)         # (B, Hkv, G, rows, D)
-    return out.flatten(1, 2), lse.squeeze(-1).flatten(1, 2)
+    return rearrange(out, "b h g q d -> b (h g) q d"), rearrange(lse, "b h g q 1 -> b (h g) q")

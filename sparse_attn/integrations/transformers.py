@@ -40,6 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .. import backends
 from ..api import sparse_attention
+from ..blocks import ceil_div
 from ..checks import check_int
 from ..pattern import Global, Local, Pattern, check_pattern
 
@@ -235,7 +236,7 @@ def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern |
 def _tiled(table: nn.Embedding, size: int, offset: int) -> nn.Embedding:
     """A (size, E) embedding whose rows from ``offset`` on repeat ``table``'s rows from ``offset`` on."""
     learned = table.weight.data[offset:]                                           # (P, E)
-    repeats = -(-(size - offset) // learned.shape[0])
+    repeats = ceil_div(size - offset, learned.shape[0])
     weight = torch.cat([table.weight.data[:offset], learned.repeat(repeats, 1)[:size - offset]])  # (size, E)
     return nn.Embedding.from_pretrained(weight.clone(), freeze=False, padding_idx=table.padding_idx)
 
