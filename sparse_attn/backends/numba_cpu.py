@@ -136,7 +136,7 @@ def _forward_worker(counter, qkv, index, config, order, result):
     """One worker: takes the next task from the counter until none is left. Task (example b, head h,
     query block r) is _forward_block on those rows."""
     q, k, v = qkv
-    batch, heads, n_q, dim = q.shape
+    heads, n_q = q.shape[1], q.shape[2]
     group, n_k = heads // k.shape[1], k.shape[2]
     n_qb = index.full_ptr.shape[2] - 1
     block_size = config.block_size
@@ -418,31 +418,30 @@ def _delta(out, dout, lse, dlse, zero, delta):
 @njit(cache=True, fastmath=FASTMATH, parallel=True)
 def _backward(qkv, result, incoming, maxima, columns, config, schedule, grads):
     """One pass over key blocks: worker w runs its static share of the tasks, ``schedule`` = (ptr,
-    tasks): ``tasks[ptr[w]:ptr[w + 1]]``. maxima = (ptr, queries) from _maxima_by_key_block;
+    tasks): ``tasks[ptr[w]:ptr[w + 1]]``, and adds its dQ terms to its own buffer, grads.dq for
+    w = 0 and grads.dq_parts[w - 1] otherwise. maxima = (ptr, queries) from _maxima_by_key_block;
     columns: the transposed BlockIndex; grads: the Gradients to write."""
-    for w in prange(schedule[0].size - 1):
-        _backward_worker(w, qkv, result, incoming, maxima, columns, config, schedule, grads)  # see _forward
+    worker_ptr, tasks = schedule
+    for w in prange(worker_ptr.size - 1):                # prange bodies only call: see numba_bundles
+        _backward_worker(tasks[worker_ptr[w]:worker_ptr[w + 1]], grads.dq if w == 0 else grads.dq_parts[w - 1],
+                         qkv, result, incoming, maxima, columns, config, grads)
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _backward_worker(w, qkv, result, incoming, maxima, columns, config, schedule, grads):
-    """Worker w's tasks, in order. It zeroes and then adds its dQ terms to its own buffer (grads.dq
-    for w = 0, grads.dq_parts[w - 1] otherwise); each task (example b, kv head g, key block c) zeroes
-    and then accumulates its own rows of dk and dv, and recomputes by the exact path the keys whose
-    result is not finite."""
+def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, grads):
+    """One worker's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
+    there; each task (example b, kv head g, key block c) zeroes and then accumulates its own rows of
+    grads.dk and grads.dv, and recomputes by the exact path the keys whose result is not finite."""
     q, k, v = qkv
-    batch, heads, n_q, dim = q.shape
+    heads, n_q = q.shape[1], q.shape[2]
     kv_heads, n_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     n_kb = columns.full_ptr.shape[2] - 1
     block_size = config.block_size
     maxima_ptr, maxima_queries = maxima
-    worker_ptr, tasks = schedule
     scratch = _backward_scratch(q, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
-    dq = grads.dq if w == 0 else grads.dq_parts[w - 1]
     dq.reshape(-1)[:] = 0
-    for t in range(worker_ptr[w], worker_ptr[w + 1]):
-        task = tasks[t]
+    for task in tasks:
         b, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
         j0 = c * block_size
         keys = slice(j0, min(j0 + block_size, n_k))
@@ -483,8 +482,8 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             end, i0, n = _run(panel.blocks, t, count, block_size, n_q)
             lo, hi = _run_span(t, end, n, panel.tiles, columns.spans)            # the mask sets st elsewhere
             off = t * block_size
-            q0, q1 = i0 + lo, i0 + hi
-            gemm(config.base2_scale, key_block.k, False, q[q0:q1], True, zero, st[:, off + lo:off + hi])  # as the forward
+            q0, q1 = i0 + lo, i0 + hi                                            # S.T with the forward's alpha
+            gemm(config.base2_scale, key_block.k, False, q[q0:q1], True, zero, st[:, off + lo:off + hi])
             gemm(one, key_block.v, False, incoming.dout[q0:q1], True, zero, dpt[:, off + lo:off + hi])
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0

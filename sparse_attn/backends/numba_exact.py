@@ -21,12 +21,13 @@ from .numba_lowlevel import like
 
 @njit(cache=True, fastmath=False)
 def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
-    """Row i of a query block (q_i (D,); k, v (Nk, D) of its kv head; key_blocks: the block's Segment) as the
-    reference computes it over the row's allowed keys: shift = the max score (NaN if a score is NaN,
-    0 if it is infinite), w = exp(s - shift), out = sum(w / sum(w) * v), lse = shift + log(sum(w));
-    no key with w > 0: out 0 @ v, lse -inf. Writes out_i; returns lse and the row's base-2 max,
-    log2 sum and argmax for the backward: for a row with no key (lse -inf) +inf, so that P = 0; for
-    lse NaN or +inf, NaN, so that every pair of the row goes to the exact backward."""
+    """Row i of a query block (q_i (D,); k, v (Nk, D) of its kv head; key_blocks: the block's
+    Segment) as the reference computes it over the row's allowed keys: shift = the max score (NaN if
+    a score is NaN, 0 if it is infinite), w = exp(s - shift), out = sum(w / sum(w) * v),
+    lse = shift + log(sum(w)); no key with w > 0: out 0 @ v, lse -inf. Writes out_i; returns lse and
+    the row's base-2 max, log2 sum and argmax for the backward: for a row with no key (lse -inf)
+    +inf, so that P = 0; for lse NaN or +inf, NaN, so that every pair of the row goes to the exact
+    backward."""
     scale = config.scale
     keys = np.empty(k.shape[0], np.int64)
     n = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False, keys)
@@ -87,6 +88,7 @@ def exact_dq_rows(rows, qkv, result, incoming, index, config, dq):
 
 @njit(cache=True, fastmath=False)
 def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
+    """dq of one row (a flat (example, head, query) index): scale * sum over its keys of dS k."""
     q, k, _ = qkv
     heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
     b, h, i = row // (heads * n_q), row // n_q % heads, row % n_q
