@@ -384,9 +384,14 @@ def _forward_scratch(q, rows, width, config):
     """A forward worker's ForwardScratch for blocks of up to ``rows`` queries and panels of up to
     ``width`` keys, in q's dtype."""
     dim = q.shape[-1]
-    panel = Panel(np.empty(config.panel_blocks, np.int64), np.empty(config.panel_blocks, np.int64))
     return ForwardScratch(np.empty(rows * width, q.dtype), np.empty((rows, dim), q.dtype), np.empty(rows, q.dtype),
-                          np.empty(rows, q.dtype), np.empty(_LANES, q.dtype), panel)
+                          np.empty(rows, q.dtype), np.empty(_LANES, q.dtype), _panel_scratch(config))
+
+
+@njit(cache=True)
+def _panel_scratch(config):
+    """A Panel for up to config.panel_blocks blocks."""
+    return Panel(np.empty(config.panel_blocks, np.int64), np.empty(config.panel_blocks, np.int64))
 
 
 @njit(cache=True)
@@ -618,9 +623,9 @@ def _finite(x):
 def _backward_scratch(q, cols, width, config):
     """A backward worker's BackwardScratch for key blocks of up to ``cols`` keys and panels of up to
     ``width`` queries, in q's dtype."""
-    panel = Panel(np.empty(config.panel_blocks, np.int64), np.empty(config.panel_blocks, np.int64))
     return BackwardScratch(np.empty(cols * width, q.dtype), np.empty(cols * width, q.dtype), np.empty(width, q.dtype),
-                           np.empty(width, q.dtype), np.empty(width, q.dtype), np.empty((2, width), np.int64), panel)
+                           np.empty(width, q.dtype), np.empty(width, q.dtype), np.empty((2, width), np.int64),
+                           _panel_scratch(config))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,25 +29,24 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
     +inf, so that P = 0; for lse NaN or +inf, NaN, so that every pair of the row goes to the exact
     backward."""
     scale = config.scale
-    keys = np.empty(k.shape[0], np.int64)
-    n = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False, keys)
+    keys = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False)
     shift, arg, nan = -np.inf, -1, False
-    for t in range(n):
-        s = _score(q_i, k[keys[t]], scale)
+    for j in keys:
+        s = _score(q_i, k[j], scale)
         if s != s:
             nan = True
         elif s > shift:
-            shift, arg = s, keys[t]
+            shift, arg = s, j
     shift = np.nan if nan else (0.0 if np.isinf(shift) else shift)
     total = 0.0
-    for t in range(n):
-        total += np.exp(_score(q_i, k[keys[t]], scale) - shift)
+    for j in keys:
+        total += np.exp(_score(q_i, k[j], scale) - shift)
     norm = total if total != 0 else 1.0
     acc = np.zeros(out_i.size)
-    for t in range(n):
-        w = np.exp(_score(q_i, k[keys[t]], scale) - shift) / norm
+    for j in keys:
+        w = np.exp(_score(q_i, k[j], scale) - shift) / norm
         for d in range(out_i.size):
-            acc[d] += w * v[keys[t], d]
+            acc[d] += w * v[j, d]
     out_i[:] = acc
     if total == 0:
         return -np.inf, np.inf, 0.0, -1
@@ -63,14 +62,11 @@ def exact_dk_dv(qkv, result, incoming, columns, config, b, g, j):
     and their queries allowed to see j (``columns``: the transposed BlockIndex)."""
     q, k, _ = qkv
     heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
-    group = heads // k.shape[1]
-    queries = np.empty(n_q, np.int64)
+    group, block_size = heads // k.shape[1], config.block_size
     acc_k, acc_v = np.zeros(dim), np.zeros(dim)
     for h in range(g * group, (g + 1) * group):
-        query_blocks = segment(columns, b, h, j // config.block_size)
-        n = _allowed(j % config.block_size, query_blocks, columns.masks, config.block_size, n_q, True, queries)
-        for e in range(n):
-            i = queries[e]
+        query_blocks = segment(columns, b, h, j // block_size)
+        for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q, True):
             p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
             for d in range(dim):
                 acc_v[d] += p * incoming.dout[b, h, i, d]
@@ -92,13 +88,10 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
     q, k, _ = qkv
     heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
     b, h, i = row // (heads * n_q), row // n_q % heads, row % n_q
-    g, n_k = h // (heads // k.shape[1]), k.shape[2]
-    keys = np.empty(n_k, np.int64)
-    key_blocks = segment(index, b, h, i // config.block_size)
-    n = _allowed(i % config.block_size, key_blocks, index.masks, config.block_size, n_k, False, keys)
+    g, block_size = h // (heads // k.shape[1]), config.block_size
+    key_blocks = segment(index, b, h, i // block_size)
     acc = np.zeros(dim)
-    for t in range(n):
-        j = keys[t]
+    for j in _allowed(i % block_size, key_blocks, index.masks, block_size, k.shape[2], False):
         _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
         for d in range(dim):
             acc[d] += ds * k[b, g, j, d]
@@ -127,11 +120,12 @@ def _pair_grads(qkv, result, incoming, config, b, h, i, j):
 
 
 @njit(cache=True, fastmath=False)
-def _allowed(pos, blocks, masks, block_size, n, transposed, tokens):
-    """Writes into ``tokens`` the tokens that token ``pos`` of its block pairs with, ascending, and
-    returns their count. Row index (transposed False): pos is a query's offset in its query block and
-    the Segment ``blocks`` holds key blocks; transposed: pos is a key's offset in its key block and
-    the blocks are query blocks."""
+def _allowed(pos, blocks, masks, block_size, n, transposed):
+    """The tokens (int64, ascending) that token ``pos`` of its block pairs with. Row index
+    (transposed False): pos is a query's offset in its query block and the Segment ``blocks`` holds
+    key blocks, n = Nk; transposed: pos is a key's offset in its key block, the blocks are query
+    blocks, n = Nq."""
+    tokens = np.empty(n, np.int64)
     count, full_at, part_at = 0, 0, 0
     while full_at < blocks.full.size or part_at < blocks.partial.size:
         full = part_at >= blocks.partial.size or (full_at < blocks.full.size
@@ -146,7 +140,7 @@ def _allowed(pos, blocks, masks, block_size, n, transposed, tokens):
             full_at += 1
         else:
             part_at += 1
-    return count
+    return tokens[:count]
 
 
 @njit(cache=True, fastmath=False)
