@@ -142,3 +142,13 @@ def test_no_import_cycle_in_the_package_lazy_imports_included():
 
     for module in sorted(graph):
         visit(module)
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_package_import = isinstance(node, ast.ImportFrom) and (node.level or node.module.startswith("sparse_attn"))
+            if is_package_import:
+                private += [f"{path.name}: {alias.name}" for alias in node.names if alias.name.startswith("_")]
+    assert not private, f"private names imported across modules: {private}"
