@@ -30,7 +30,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     """Exact softmax attention over the (query, key) pairs that ``pattern`` allows.
 
     Args:
-        q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention).
+        q: (B, Hq, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention), or (1, Hkv,
+            Nk, D): one k, v read by every example, never copied (a shared prefix; dk, dv sum over the batch).
         pattern: a Pattern, or a BlockLayout built once with ``pattern.layout(...)`` and reused.
         causal: also require ``j <= i + (Nk - Nq)``.
         key_padding_mask: (B, Nk) bool, True = padding (never attended).
@@ -92,7 +93,8 @@ def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causa
 
 def _meta_attention(q, k, v):
     """out (B, Hq, Nq, D) and lse (B, Hq, Nq) as meta tensors: the reference computation with every pair
-    allowed, which on meta tensors only propagates shapes, dtypes and the autograd graph."""
+    allowed, which on meta tensors only propagates shapes, dtypes and the autograd graph (k, v of batch 1
+    broadcast over q's batch in the einsums, so dk, dv keep batch 1)."""
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     q = rearrange(q, "b (h g) q d -> b h g q d", h=k.shape[1])                                 # (B, Hkv, G, Nq, D)
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k).to(lse_dtype)                             # (B, Hkv, G, Nq, Nk)
@@ -110,7 +112,9 @@ def resolve_scale(scale, head_dim: int) -> float:
 
 
 def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
-    """Types, shapes, dtypes and devices of q, k (and v): returns (batch, q_heads, n_q, head_dim)."""
+    """Types, shapes, dtypes and devices of q, k (and v): returns (batch, q_heads, n_q, head_dim) of q.
+
+    k and v have q's batch or batch 1 (one k, v shared by every example of q)."""
     named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -125,12 +129,17 @@ def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
         raise TypeError(f"{names} must share one dtype, got {', '.join(str(t.dtype) for _, t in named)}")
     if len({t.device for _, t in named}) > 1:
         raise ValueError(f"{names} must be on one device, got {', '.join(str(t.device) for _, t in named)}")
+    if v is not None and k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same batch (both 1 to share them with every example of q, or both "
+                         f"q's batch {q.shape[0]}), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if v is not None and k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (batch, kv_heads, n_k, head_dim), "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, q_heads, n_q, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must have batch {batch} and head_dim {head_dim} like q, got shape {tuple(k.shape)}")
+    if k.shape[0] not in (1, batch) or k.shape[3] != head_dim:
+        batches = "1" if batch == 1 else f"1 or {batch}"
+        raise ValueError(f"k must have batch {batches} and head_dim {head_dim} like q {tuple(q.shape)}, got shape "
+                         f"{tuple(k.shape)}; batch 1 shares one k, v with every example of q")
     if k.shape[1] == 0 or q_heads % k.shape[1] != 0:
         raise ValueError(f"the number of k/v heads ({k.shape[1]}) must divide the number of q heads ({q_heads}) "
                          f"for grouped-query attention")
