@@ -11,14 +11,14 @@ and pattern files load without paying for torch.
 """
 from importlib import import_module
 
-from .pattern import (Causal, Dense, Dilated, Global, Intersection, Local, Pattern, PerHead, Random, Sink, Stride,
-                      Union)
+from .pattern import (Blocks, Causal, Complement, Dense, Dilated, Global, Intersection, Local, Pattern, PerHead, Random,
+                      Sink, Stride, Union)
 from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
 
 _LAZY = {"BlockLayout": ".layout", "sparse_attention": ".api", "attention_weights": ".weights", "nn": ".nn"}
 
-__all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Union",
-           "Intersection", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
+__all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Blocks", "Union",
+           "Intersection", "Complement", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
            "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern", "nn"]
 
 

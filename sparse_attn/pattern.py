@@ -30,11 +30,12 @@ from Python's recursion limit.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from .blocks import check_lengths
+from .blocks import ceil_div, check_lengths
 from .checks import as_int, check_int
 from .rules import Context, resolve, token_positions
 
@@ -48,8 +49,12 @@ MAX_DEPTH = 64          # nested levels of |, & and PerHead (chains of one opera
 
 def _set_int(spec: Pattern, field: str, minimum: int | None = None) -> None:
     """Check a spec's int field and store it as a Python int (so arithmetic on it never wraps)."""
-    value = check_int(f"{type(spec).__name__} {field}", getattr(spec, field), minimum)
-    object.__setattr__(spec, field, value)
+    _set_int_value(spec, field, getattr(spec, field), minimum)
+
+
+def _set_int_value(spec: Pattern, field: str, value, minimum: int | None = None) -> None:
+    """Check ``value`` for a spec's int field and store it as a Python int."""
+    object.__setattr__(spec, field, check_int(f"{type(spec).__name__} {field}", value, minimum))
 
 
 def _check_tokens(name: str, tokens) -> tuple[int, ...]:
@@ -88,6 +93,10 @@ class Pattern:
     def __and__(self, other: Pattern) -> Pattern:
         check_pattern("right operand of &", other)
         return Intersection(self, other)
+
+    def __invert__(self) -> Pattern:
+        """``~p``: the pairs ``p`` does not allow (``~~p`` gives ``p`` back)."""
+        return Complement(self)
 
     # --- user-facing views ---------------------------------------------------------------------
     def mask(self, n_q: int, n_k: int | None = None, heads: int = 1) -> torch.Tensor:
@@ -135,6 +144,8 @@ class Pattern:
             value = getattr(self, f.name)
             if isinstance(value, tuple) and value and isinstance(value[0], Pattern):
                 d[f.name] = [p.to_dict() for p in value]
+            elif isinstance(value, Pattern):
+                d[f.name] = value.to_dict()
             elif value != self._default(f):
                 d[f.name] = list(value) if isinstance(value, tuple) else value
         return d
@@ -196,9 +207,12 @@ def _from_dict(d: dict, level: int) -> Pattern:
         if key not in {f.name for f in dataclasses.fields(cls)}:
             fields = [f.name for f in dataclasses.fields(cls)]
             raise ValueError(f"pattern type {kind!r} has no field {key!r}; its fields are {fields}")
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            if level == MAX_DEPTH:
-                raise _depth_error(f"the pattern dict's {kind!r}", level + 1)
+        nested = isinstance(value, dict) or isinstance(value, list) and value and isinstance(value[0], dict)
+        if nested and level == MAX_DEPTH:
+            raise _depth_error(f"the pattern dict's {kind!r}", level + 1)
+        if isinstance(value, dict):                      # one member (Complement's pattern)
+            value = _from_dict(value, level + 1)
+        elif nested:
             value = [_from_dict(v, level + 1) for v in value]
         kwargs[key] = value
     if cls in (Union, Intersection):  # they take their members as *patterns
@@ -405,16 +419,132 @@ class Random(Pattern):
         return True
 
 
+@dataclasses.dataclass(frozen=True, repr=False, eq=False, init=False)
+class Blocks(Pattern):
+    """Any block layout: query row ``i`` and key ``j`` interact iff ``blocks[i // block_size, j // block_size]``.
+
+    ``blocks`` is a bool (or 0/1 integer) tensor or array of shape (n_qb, n_kb), shared by every head,
+    or (H, n_qb, n_kb), head ``h`` using ``blocks[h]`` (then ``heads`` must be H): a DeepSpeed
+    ``make_layout`` result, a plan drawn elsewhere. The grid must cover the sequence exactly,
+    ``ceil(n_q / block_size)`` rows and ``ceil(n_k / block_size)`` columns. Its rows are query
+    *rows* (the grid is a layout), so with n_q != n_k it is not bottom-right aligned as the other
+    patterns are: a decode step needs a grid of one row.
+
+    >>> p = Blocks([[1, 0], [1, 1]], block_size=2)
+    >>> p.mask(3)[0].int()                                    # the last block row and column are cut
+    tensor([[1, 1, 0],
+            [1, 1, 0],
+            [1, 1, 1]], dtype=torch.int32)
+    >>> p
+    Blocks([[1, 0], [1, 1]], 2)
+
+    The grid is copied into immutable bytes, so the spec is hashable and equal to any ``Blocks`` of the
+    same values; ``p.blocks`` is a read-only bool array, and ``to_dict`` writes it as nested 0/1 lists.
+    """
+
+    kind: ClassVar[str] = "blocks"
+    blocks: np.ndarray
+    block_size: int
+
+    def __init__(self, blocks, block_size: int):
+        grid = _bool_grid(blocks)
+        bits = np.ascontiguousarray(grid).tobytes()
+        object.__setattr__(self, "_bits", bits)
+        object.__setattr__(self, "blocks", np.frombuffer(bits, dtype=bool).reshape(grid.shape))  # never writeable
+        _set_int_value(self, "block_size", block_size, 1)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Blocks and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self):
+        return Blocks, (self.blocks, self.block_size)
+
+    def _key(self) -> tuple:
+        return self.blocks.shape, self.block_size, self._bits
+
+    def __repr__(self) -> str:
+        grid = self.blocks
+        shown = repr(grid.astype(np.uint8).tolist()) if grid.size <= 64 else \
+            f"<bool {tuple(grid.shape)} grid, {int(grid.sum())} blocks set>"
+        return f"Blocks({shown}, {self.block_size})"
+
+    def to_dict(self) -> dict:
+        return {"type": self.kind, "blocks": self.blocks.astype(np.uint8).tolist(), "block_size": self.block_size}
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.blocks.ndim == 3
+
+    def check_heads(self, heads):
+        super().check_heads(heads)
+        if self.blocks.ndim == 3 and self.blocks.shape[0] != heads:
+            raise ValueError(f"Blocks has a grid for {self.blocks.shape[0]} heads, shape {tuple(self.blocks.shape)}, "
+                             f"but heads={heads}; give one (n_qb, n_kb) grid per query head, or one 2-D grid that "
+                             f"every head shares")
+
+    def check_grid(self, n_q: int, n_k: int) -> None:
+        """Refuse lengths the grid does not cover exactly.
+
+        >>> Blocks([[1, 0], [1, 1]], block_size=2).check_grid(5, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: Blocks grid of 2 x 2 blocks of 2 tokens does not fit n_q=5, n_k=4: they need ceil(5 / 2) = 3 rows and ceil(4 / 2) = 2 columns; build the grid for these lengths (3 x 2 blocks), or use lengths of 3..4 queries and 3..4 keys with this grid
+        """
+        rows, cols = self.blocks.shape[-2:]
+        bs = self.block_size
+        need_rows, need_cols = ceil_div(n_q, bs), ceil_div(n_k, bs)
+        if (rows, cols) != (need_rows, need_cols):
+            raise ValueError(
+                f"Blocks grid of {rows} x {cols} blocks of {bs} tokens does not fit n_q={n_q}, n_k={n_k}: they need "
+                f"ceil({n_q} / {bs}) = {need_rows} rows and ceil({n_k} / {bs}) = {need_cols} columns; build the grid "
+                f"for these lengths ({need_rows} x {need_cols} blocks), or use lengths of "
+                f"{(rows - 1) * bs + 1}..{rows * bs} queries and {(cols - 1) * bs + 1}..{cols * bs} keys with this grid")
+
+
+def _bool_grid(blocks) -> np.ndarray:
+    """``Blocks``' grid as a bool numpy array (n_qb, n_kb) or (H, n_qb, n_kb), checked."""
+    torch = sys.modules.get("torch")                     # a tensor implies torch is imported; never import it here
+    if torch is not None and isinstance(blocks, torch.Tensor):
+        if blocks.device.type == "meta":
+            raise ValueError("Blocks blocks is a meta tensor, which has no values; pass the layout's values")
+        blocks = blocks.detach().cpu().numpy()
+    try:
+        grid = np.asarray(blocks)
+    except (ValueError, TypeError):                      # ragged nested lists
+        grid = None
+    if grid is None or not (grid.dtype == bool or np.issubdtype(grid.dtype, np.integer)):
+        got = type(blocks).__name__ if grid is None else f"{type(blocks).__name__} of dtype {grid.dtype}"
+        raise TypeError(f"Blocks blocks must be a bool (or 0/1 integer) tensor or array of shape (n_qb, n_kb) or "
+                        f"(H, n_qb, n_kb), got {got}")
+    if grid.ndim not in (2, 3) or grid.size == 0:
+        raise ValueError(f"Blocks blocks must have shape (n_qb, n_kb) or (H, n_qb, n_kb) with every size >= 1, got "
+                         f"shape {tuple(grid.shape)}")
+    if grid.dtype != bool:
+        values = np.unique(grid)
+        if not np.isin(values, (0, 1)).all():
+            raise ValueError(f"Blocks blocks must hold bools or 0 and 1 only, got the value {values[~np.isin(values, (0, 1))][0]}")
+        grid = grid == 1
+    return grid
+
+
 # ------------------------------------------------------------------------------------------------
 # Combinators
 # ------------------------------------------------------------------------------------------------
-def _set_members(node: Pattern, members: tuple[Pattern, ...]) -> None:
-    """Store a combinator's members and its depth, refusing more than ``MAX_DEPTH`` levels."""
+def _set_depth(node: Pattern, members: tuple[Pattern, ...]) -> None:
+    """Store a combinator's depth (one level over its deepest member), refusing more than ``MAX_DEPTH``."""
     depth = 1 + max(p._depth for p in members)
     if depth > MAX_DEPTH:
         raise _depth_error(f"this {type(node).__name__}", depth)
-    object.__setattr__(node, "patterns", members)
     object.__setattr__(node, "_depth", depth)
+
+
+def _set_members(node: Pattern, members: tuple[Pattern, ...]) -> None:
+    """Store a combinator's members and its depth."""
+    _set_depth(node, members)
+    object.__setattr__(node, "patterns", members)
 
 
 def _flatten(cls, patterns) -> tuple[Pattern, ...]:
@@ -459,6 +589,42 @@ class Intersection(_Combination):
     kind: ClassVar[str] = "intersection"
     _symbol: ClassVar[str] = "&"
     patterns: tuple[Pattern, ...]
+
+
+@dataclasses.dataclass(frozen=True, repr=False, init=False)
+class Complement(Pattern):
+    """``~p``: the pairs ``p`` does not allow. ``~~p`` gives ``p`` back (the same object); ``Complement``
+    called on a complement keeps both levels, with the same mask.
+
+    >>> (Local(1) & ~Local(0)).mask(4)[0].int()               # the window without its diagonal
+    tensor([[0, 1, 0, 0],
+            [1, 0, 1, 0],
+            [0, 1, 0, 1],
+            [0, 0, 1, 0]], dtype=torch.int32)
+    >>> ~~Local(1) == Local(1), ~(Local(1) | Causal())
+    (True, ~(Local(1) | Causal()))
+
+    Blocks swap full and empty and partial blocks stay partial, so ``Local(256) & ~Global(first=1)``
+    builds as fast as ``Local(256)``. It counts as one level of nesting (``MAX_DEPTH``).
+    """
+
+    kind: ClassVar[str] = "complement"
+    pattern: Pattern
+
+    def __init__(self, pattern: Pattern):
+        check_pattern("the pattern of Complement (~)", pattern)
+        _set_depth(self, (pattern,))
+        object.__setattr__(self, "pattern", pattern)
+
+    def __invert__(self) -> Pattern:
+        return self.pattern
+
+    def __repr__(self) -> str:
+        inner = repr(self.pattern)
+        return f"~({inner})" if isinstance(self.pattern, _Combination) else f"~{inner}"
+
+    def _children(self):
+        return (self.pattern,)
 
 
 @dataclasses.dataclass(frozen=True, repr=False, init=False)

@@ -50,11 +50,13 @@ from .blocks import block_bounds, ceil_div
 
 
 class Context(NamedTuple):
-    """One (n_q, n_k, head) a pattern is resolved for."""
+    """One (n_q, n_k, head) a pattern is resolved for; ``document`` is the id of a packed document resolved
+    as a sequence by itself (0 for a sequence that is not packed), which only Random's draws depend on."""
 
     n_q: int
     n_k: int
     head: int
+    document: int = 0
 
     @property
     def shift(self) -> int:
@@ -81,9 +83,14 @@ class Blocks(NamedTuple):
     j1: np.ndarray
 
     @staticmethod
-    def at(ctx: Context, rows: np.ndarray, cols: np.ndarray, block_size: int) -> Blocks:
-        """Blocks (rows[k], cols[k]) of ``block_size`` tokens, cut at the sequence ends."""
-        return Blocks(*ctx.query_positions(rows, block_size), *block_bounds(cols, block_size, ctx.n_k))
+    def at(ctx: Context, rows: np.ndarray, cols: np.ndarray, block_size: int, offset: int = 0) -> Blocks:
+        """Blocks (rows[k], cols[k]) of ``block_size`` tokens, cut at the sequence ends. With ``offset`` the
+        block grid starts ``offset`` tokens before position 0 (where a packed document lies in the blocks
+        of its row), so the first blocks are cut as well."""
+        i0, i1 = block_bounds(rows, block_size, ctx.n_q + offset)
+        j0, j1 = block_bounds(cols, block_size, ctx.n_k + offset)
+        return Blocks(np.maximum(i0 - offset, 0) + ctx.shift, i1 - offset + ctx.shift, np.maximum(j0 - offset, 0),
+                      j1 - offset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,18 +229,20 @@ class DenseRule(Rule):
         return ones, ones, np.zeros(b.i0.shape, dtype=np.int64)
 
 
-class RandomTilesRule(Rule):
-    """Chosen tiles of ``unit`` x ``unit`` positions, as sorted keys ``R * n_kt + C``."""
+class TilesRule(Rule):
+    """Chosen tiles of ``unit`` x ``unit`` positions, as sorted keys ``R * n_kt + C``: tile row R holds the
+    positions ``origin + R * unit ..``, tile column C the keys ``C * unit ..`` (Random's tiles from position
+    0, a ``Blocks`` grid's from the first query row)."""
 
-    def __init__(self, chosen: np.ndarray, unit: int, n_kt: int):
-        self.chosen, self.unit, self.n_kt = chosen, unit, n_kt
+    def __init__(self, chosen: np.ndarray, unit: int, n_kt: int, origin: int = 0):
+        self.chosen, self.unit, self.n_kt, self.origin = chosen, unit, n_kt, origin
 
     def allows(self, i, j):
-        return _member(self.chosen, (i // self.unit) * self.n_kt + j // self.unit)
+        return _member(self.chosen, ((i - self.origin) // self.unit) * self.n_kt + j // self.unit)
 
     def classify(self, b):
         u, n_kt = self.unit, self.n_kt
-        r0, r1, c0, c1 = b.i0 // u, b.i1 // u, b.j0 // u, b.j1 // u
+        r0, r1, c0, c1 = (b.i0 - self.origin) // u, (b.i1 - self.origin) // u, b.j0 // u, b.j1 // u
         count = np.zeros(b.i0.shape, dtype=np.int64)
         for dr in range(int((r1 - r0).max(initial=0)) + 1):
             row = np.where(r0 + dr <= r1, (r0 + dr) * n_kt, -1 - n_kt)  # rows past r1 count nothing
@@ -248,7 +257,7 @@ class RandomTilesRule(Rule):
         rows, cols = int((r1 - r0).max(initial=0)) + 1, int((c1 - c0).max(initial=0)) + 1
         if rows * cols > 4:
             return np.stack([b.i0, b.j0], axis=1)
-        bits = [b.i0 % self.unit, b.j0 % self.unit]
+        bits = [(b.i0 - self.origin) % self.unit, b.j0 % self.unit]
         for dr in range(rows):
             for dc in range(cols):
                 inside = (r0 + dr <= r1) & (c0 + dc <= c1)
@@ -258,8 +267,9 @@ class RandomTilesRule(Rule):
     def candidates(self, ctx, block_size):
         u, n_kb = self.unit, ceil_div(ctx.n_k, block_size)
         tile_r, tile_c = self.chosen // self.n_kt, self.chosen % self.n_kt
-        first_position, last_position = block_bounds(tile_r, u, ctx.n_k)     # query rows of each tile
-        first_row, last_row = np.maximum(first_position - ctx.shift, 0), last_position - ctx.shift
+        first_position, last_position = block_bounds(tile_r, u, ctx.n_k - self.origin)  # positions of each tile
+        first_row = np.maximum(first_position + self.origin - ctx.shift, 0)              # its query rows
+        last_row = last_position + self.origin - ctx.shift
         seen = first_row <= last_row
         first_row, last_row = first_row[seen], last_row[seen]
         first_key, last_key = block_bounds(tile_c[seen], u, ctx.n_k)                # keys of each tile
@@ -270,6 +280,23 @@ class RandomTilesRule(Rule):
                 c = np.minimum(first_key // block_size + dc, last_key // block_size)
                 keys.append(r * n_kb + c)
         return np.unique(np.concatenate(keys))
+
+
+class ComplementRule(Rule):
+    """Pairs ``inner`` does not allow. A block full for ``inner`` is empty here and an empty one full; a
+    partial block stays partial with the inner's signature (equal inner tiles, equal complements). Blocks
+    are cut at the sequence ends, so full means every pair of the sequence in it. No candidates: a
+    complement touches most blocks; an intersection takes its candidates from its other members."""
+
+    def __init__(self, inner: Rule):
+        self.inner = inner
+
+    def allows(self, i, j):
+        return np.logical_not(self.inner.allows(i, j))
+
+    def classify(self, b):
+        nonempty, full, sig = self.inner.classify(b)
+        return np.logical_not(full), np.logical_not(nonempty), sig
 
 
 class _CombinationRule(Rule):
@@ -453,7 +480,21 @@ def _resolve_per_head(spec, ctx):
     return resolve(spec.patterns[ctx.head], ctx)
 
 
-def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule | None) -> RandomTilesRule:
+@resolver("complement")
+def _resolve_complement(spec, ctx):
+    return ComplementRule(resolve(spec.pattern, ctx))
+
+
+@resolver("blocks")
+def _resolve_blocks(spec, ctx):
+    """The grid's True blocks as tiles of ``block_size`` from the first query row (its rows are query rows)."""
+    spec.check_grid(ctx.n_q, ctx.n_k)
+    grid = spec.blocks[ctx.head] if spec.blocks.ndim == 3 else spec.blocks       # (n_qb, n_kb)
+    unit = min(spec.block_size, ctx.span)  # a block past both lengths is the one block of the grid
+    return TilesRule(np.flatnonzero(grid).astype(np.int64), unit, grid.shape[1], origin=ctx.shift)
+
+
+def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule | None) -> TilesRule:
     """``blocks`` random tiles of ``tile`` positions per tile row, skipping tiles that ``excluded`` touches.
 
     A tile row's picks depend on (seed, head, row) alone, so only the rows holding a query are picked: a
@@ -473,7 +514,7 @@ def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule
     rows, n_free = rows[n_free > blocks], n_free[n_free > blocks]
     for t in range(blocks if rows.size else 0):  # here blocks < n_free <= n_kt
         # the pick-th free tile of the row: least c with c - #taken(<= c) == pick (monotone fixed point)
-        pick = (_hash(seed, ctx.head, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
+        pick = (_hash(seed, ctx.head, ctx.document, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
         c = pick
         while True:
             c_next = pick + _count_in(taken, rows * n_kt, rows * n_kt + c)
@@ -481,12 +522,14 @@ def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule
                 break
             c = c_next
         taken = np.union1d(taken, rows * n_kt + c)
-    return RandomTilesRule(np.setdiff1d(taken, blocked, assume_unique=True), u, n_kt)
+    return TilesRule(np.setdiff1d(taken, blocked, assume_unique=True), u, n_kt)
 
 
-def _hash(seed: int, head: int, rows: np.ndarray, t: int) -> np.ndarray:
-    """splitmix64 of (seed, head, row, t): a counter-based random uint64 per row."""
-    base = (seed * 0x9E3779B97F4A7C15 ^ (head + 1) * 0xBF58476D1CE4E5B9 ^ (t + 1) * 0x94D049BB133111EB) % 2**64
+def _hash(seed: int, head: int, document: int, rows: np.ndarray, t: int) -> np.ndarray:
+    """splitmix64 of (seed, head, document, row, t): a counter-based random uint64 per row. Document 0 adds
+    nothing, so a sequence that is not packed draws as before."""
+    base = (seed * 0x9E3779B97F4A7C15 ^ (head + 1) * 0xBF58476D1CE4E5B9 ^ (t + 1) * 0x94D049BB133111EB
+            ^ document * 0xD1B54A32D192ED03) % 2**64
     x = np.uint64(base) + rows.astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)  # arrays wrap silently
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -508,11 +551,13 @@ def with_call_data(rule: Rule, global_positions: np.ndarray | None = None, causa
 _DENSE_CHUNK = 1 << 22  # blocks classified at once when a rule has no cheap candidate list
 
 
-def block_table(rule: Rule, ctx: Context, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_table(rule: Rule, ctx: Context, block_size: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nonempty blocks of a rule: sorted keys ``r * n_kb + c``, full flags, signatures (n, k).
 
     Work and memory are proportional to the candidate blocks: the rule's own candidate list, or
-    every block (in chunks) for rules that touch most blocks anyway.
+    every block (in chunks) for rules that touch most blocks anyway. With ``offset`` (0 <= offset <
+    block_size) the blocks are those of a grid that starts ``offset`` tokens before position 0, with
+    ``n_kb = ceil((n_k + offset) / block_size)`` (see :meth:`Blocks.at`).
 
     >>> import sparse_attn as sa
     >>> ctx = Context(n_q=16, n_k=16, head=0)
@@ -520,19 +565,32 @@ def block_table(rule: Rule, ctx: Context, block_size: int) -> tuple[np.ndarray, 
     >>> keys.tolist(), full.tolist()                      # 2 x 2 blocks: the diagonal ones are full
     ([0, 1, 2, 3], [True, False, False, True])
     """
-    n_qb, n_kb = ceil_div(ctx.n_q, block_size), ceil_div(ctx.n_k, block_size)
+    n_qb, n_kb = ceil_div(ctx.n_q + offset, block_size), ceil_div(ctx.n_k + offset, block_size)
     keys = rule.candidates(ctx, block_size)
     if keys is not None:
-        return _classify_keys(rule, ctx, block_size, keys)
+        return _classify_keys(rule, ctx, block_size, _offset_keys(keys, ctx, block_size, offset), offset)
     rows_per_chunk = max(1, _DENSE_CHUNK // n_kb)
-    parts = [_classify_keys(rule, ctx, block_size, np.arange(r * n_kb, min(r + rows_per_chunk, n_qb) * n_kb))
+    parts = [_classify_keys(rule, ctx, block_size, np.arange(r * n_kb, min(r + rows_per_chunk, n_qb) * n_kb), offset)
              for r in range(0, n_qb, rows_per_chunk)]
     return tuple(np.concatenate(column) for column in zip(*parts))
 
 
-def _classify_keys(rule, ctx, block_size, keys):
+def _offset_keys(keys: np.ndarray, ctx: Context, block_size: int, offset: int) -> np.ndarray:
+    """Keys of the unshifted grid -> sorted keys of the blocks they overlap in the grid shifted by ``offset``:
+    a block of the first grid overlaps blocks (r, c), (r + 1, c), (r, c + 1), (r + 1, c + 1) of the second."""
+    if not offset:
+        return keys
     n_kb = ceil_div(ctx.n_k, block_size)
-    nonempty, full, sig = rule.classify(Blocks.at(ctx, keys // n_kb, keys % n_kb, block_size))
+    n_qb_shifted, n_kb_shifted = ceil_div(ctx.n_q + offset, block_size), ceil_div(ctx.n_k + offset, block_size)
+    rows, cols = keys // n_kb, keys % n_kb
+    shifted = [((rows + dr) * n_kb_shifted + cols + dc)[(rows + dr < n_qb_shifted) & (cols + dc < n_kb_shifted)]
+               for dr in (0, 1) for dc in (0, 1)]
+    return np.unique(np.concatenate(shifted))
+
+
+def _classify_keys(rule, ctx, block_size, keys, offset=0):
+    n_kb = ceil_div(ctx.n_k + offset, block_size)
+    nonempty, full, sig = rule.classify(Blocks.at(ctx, keys // n_kb, keys % n_kb, block_size, offset))
     nonempty, full = np.broadcast_to(nonempty, keys.shape), np.broadcast_to(full, keys.shape)
     return keys[nonempty], full[nonempty], _as_columns(sig, keys.shape[0])[nonempty]
 
