@@ -13,8 +13,13 @@ Which of the three a text is: a path ending in ``.toml``, or one with a ``/`` an
 is a file; a bare name (``bigbird-itc``) that is not a constructor is a preset; anything else is an
 expression. Expressions are parsed with ``ast`` and evaluated by walking the tree, never with
 ``eval``: calls to ``CONSTRUCTORS``, int/str/bool constants, lists/tuples, keyword arguments,
-unary minus, ``|`` and ``&``. Chains such as ``a | b | c | ...`` are evaluated without recursion,
-so thousands of operands work.
+unary minus, ``|``, ``&`` and ``~`` (complement). Chains such as ``a | b | c | ...`` and ``~~~p`` are
+evaluated without recursion, so thousands of operands work.
+
+>>> parse_pattern("Local(4) & ~Global(first=1)")[0]
+Local(4) & ~Global(first=1)
+>>> parse_pattern("Blocks([[1, 0], [1, 1]], 64) | ~~Causal()")[0]      # ~~p is p
+Blocks([[1, 0], [1, 1]], 64) | Causal()
 
 Every error is a ``PatternTextError`` (a ``ValueError``) whose message says what was wrong and
 what is accepted; the ``sparse-attn`` command prints it as ``sparse-attn: error: ...``.
@@ -28,11 +33,11 @@ import os
 import re
 
 from . import presets
-from .pattern import Causal, Dense, Dilated, Global, Local, Pattern, PerHead, Random, Sink, Stride
+from .pattern import Blocks, Causal, Complement, Dense, Dilated, Global, Local, Pattern, PerHead, Random, Sink, Stride
 
 CONSTRUCTORS = {
     "Local": Local, "Stride": Stride, "Dilated": Dilated, "Global": Global, "Sink": Sink, "Random": Random,
-    "Causal": Causal, "Dense": Dense, "PerHead": PerHead, "longformer": presets.longformer,
+    "Causal": Causal, "Dense": Dense, "Blocks": Blocks, "PerHead": PerHead, "longformer": presets.longformer,
     "bigbird": presets.bigbird, "sparse_transformer": presets.sparse_transformer, "streaming": presets.streaming,
     "preset": presets.preset,
 }
@@ -76,6 +81,7 @@ def per_head_count(pattern: Pattern) -> int | None:
         if isinstance(node, PerHead):
             lengths.add(len(node.patterns))
         stack.extend(getattr(node, "patterns", ()))      # the members of PerHead, | and &
+        stack.extend([node.pattern] if isinstance(node, Complement) else [])
     return lengths.pop() if len(lengths) == 1 else None  # several lengths: the layout says which is wrong
 
 
@@ -140,6 +146,14 @@ def _evaluate(node: ast.AST):
         if isinstance(value, bool) or not isinstance(value, int):
             raise PatternTextError(f"pattern expression: unary minus applies to ints only, got {value!r}")
         return -value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+        inversions = 0
+        while isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):  # ~~~p: no recursion
+            inversions, node = inversions + 1, node.operand
+        value = _evaluate(node)
+        if not isinstance(value, Pattern):
+            raise PatternTextError(f"pattern expression: '~' complements a pattern, got {value!r}")
+        return ~value if inversions % 2 else value                                  # ~~p is p
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitOr, ast.BitAnd)):
         values = [_evaluate(operand) for operand in _operands(node)]
         for value in values:
@@ -162,4 +176,5 @@ def _evaluate(node: ast.AST):
         raise PatternTextError(f"{node.id!r} is not a preset ({', '.join(presets.list_presets())}), a .toml file "
                                f"or a pattern expression such as 'Local(64) | Global(first=2)'")
     raise PatternTextError(f"pattern expression: {ast.unparse(node)[:80]!r} is not allowed; use pattern "
-                           f"constructors ({', '.join(CONSTRUCTORS)}), int/str/bool constants, lists, '|' and '&'")
+                           f"constructors ({', '.join(CONSTRUCTORS)}), int/str/bool constants, lists, '|', '&' and "
+                           f"'~'")
