@@ -80,6 +80,19 @@ def segment(index, b, h, block):
                    index.part_tile[part_begin:part_end])
 
 
+@njit(cache=True)
+def kv_example(b, kv_batch):
+    """The example of k, v that query example ``b`` reads: ``b``, or 0 where k, v have batch 1 (one k, v
+    shared by every example, never copied)."""
+    return 0 if kv_batch == 1 else b
+
+
+@njit(cache=True)
+def query_examples(e, batch, kv_batch):
+    """[start, stop) of the query examples that read example ``e`` of k, v: every one where k, v have batch 1."""
+    return (0, batch) if kv_batch == 1 else (e, e + 1)
+
+
 class Config(NamedTuple):
     """The sizes and scales of a call."""
 
@@ -113,8 +126,8 @@ class Gradients(NamedTuple):
 
     dq: np.ndarray         # (B, Hq, Nq, D)
     dq_parts: np.ndarray   # (workers - 1, B, Hq, Nq, D)
-    dk: np.ndarray         # (B, Hkv, Nk, D)
-    dv: np.ndarray         # (B, Hkv, Nk, D)
+    dk: np.ndarray         # (Bkv, Hkv, Nk, D), Bkv = B or 1
+    dv: np.ndarray         # (Bkv, Hkv, Nk, D)
 
 
 class KeyBlock(NamedTuple):

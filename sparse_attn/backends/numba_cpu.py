@@ -9,7 +9,7 @@ torch.Size([1, 2, 1000, 32])
 Algorithm
 ---------
 Work is cut into *tasks*, one per (example, head, query block) in the forward and one per
-(example, kv head, key block) in the backward.
+(example of k and v, kv head, key block) in the backward.
 
 Forward task (query block ``r`` of head ``h``, ``_forward_block``), FlashAttention's online softmax:
 
@@ -35,8 +35,9 @@ Backward (FlashAttention-2, recomputing ``P = exp2(min(S - m, 0) - log2 l)`` fro
 forward's ``m`` and ``log2 l``; ``m = +inf`` for empty rows, so their ``P`` is exactly 0): one pass
 over key blocks, 5 matmuls per computed block. A parallel prologue computes, per query row,
 ``delta = rowsum(dO * O) - dlse`` (0 for empty rows). A task (key block ``c`` of kv head ``g``)
-walks, for every query head of its GQA group (``_backward_head``), its query blocks (transposed
-CSR) in panels of runs, as the forward does, and computes ``S.T = (scale log2(e)) k[c] @ q[run].T``
+walks, for every query example that reads it (every example when k and v have batch 1) and every
+query head of its GQA group (``_backward_head``), its query blocks (transposed CSR) in panels of
+runs, as the forward does, and computes ``S.T = (scale log2(e)) k[c] @ q[run].T``
 and ``dP.T = v[c] @ dO[run].T`` per run, ``P.T`` and ``dS.T = P.T * (dP.T - delta)`` over the panel,
 then per run ``dV[c] += P.T @ dO[run]``, ``dK[c] += scale dS.T @ q[run]`` (rows the task owns) and
 ``dQ[run] += scale dS @ k[c]``; a partial block alone in its run is computed only on its tile's
@@ -48,7 +49,9 @@ Scheduling and determinism:
   atomic fetch-add: Numba's OpenMP ``prange`` splits iterations statically, which would give one
   thread all the heavy global rows), in heaviest-first order (rows by block count). A task owns
   its output rows, so the result does not depend on which worker ran it.
-- Backward: dK and dV rows are owned by their task, but dQ rows get terms from many key blocks.
+- Backward: dK and dV rows are owned by their task (k and v of batch 1: the task sums the terms
+  of every example into them, so a shared k, v needs no per-example dK/dV buffer and has no
+  race), but dQ rows get terms from many key blocks.
   The tasks are dealt *statically* to the workers (heaviest first, each to the least-loaded
   worker so far: a function of the layout and the thread count only); worker ``w`` adds its dQ
   terms, in its fixed task order, into its own dQ-sized buffer (``dq`` itself for worker 0), and
@@ -106,7 +109,7 @@ from numba.np.linalg import ensure_blas
 
 from ..layout import BlockLayout
 from .numba_bundles import (BackwardScratch, Config, ForwardResult, ForwardScratch, Gradients, Incoming, KeyBlock,
-                            Panel, Segment, block_index, segment)
+                            Panel, Segment, block_index, kv_example, query_examples, segment)
 from .numba_exact import exact_dk_dv, exact_dq_rows, exact_row
 from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add, gemm
 
@@ -124,7 +127,7 @@ _HALF = (torch.float16, torch.bfloat16)
 @njit(cache=True, fastmath=FASTMATH, parallel=True)
 def _forward(qkv, index, config, order, n_workers, result):
     """Every forward task, taken in ``order`` (heaviest first) from a shared counter by n_workers
-    workers. qkv: q (B, Hq, Nq, D), k, v (B, Hkv, Nk, D); index: the row BlockIndex; result: the
+    workers. qkv: q (B, Hq, Nq, D), k, v (B or 1, Hkv, Nk, D); index: the row BlockIndex; result: the
     ForwardResult (B, Hq, Nq, ...) to write."""
     counter = np.zeros(1, np.int64)
     for _ in prange(n_workers):
@@ -148,7 +151,8 @@ def _forward_worker(counter, qkv, index, config, order, result):
         task = order[t]
         b, h, r = task // (heads * n_qb), task // n_qb % heads, task % n_qb
         rows = slice(r * block_size, min(r * block_size + block_size, n_q))
-        _forward_block(q[b, h, rows], k[b, h // group], v[b, h // group], segment(index, b, h, r), index, config,
+        e = kv_example(b, k.shape[0])
+        _forward_block(q[b, h, rows], k[e, h // group], v[e, h // group], segment(index, b, h, r), index, config,
                        scratch, _result_rows(result, b, h, rows))
 
 
@@ -435,11 +439,12 @@ def _backward(qkv, result, incoming, maxima, columns, config, schedule, grads):
 @njit(cache=True, fastmath=FASTMATH)
 def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, grads):
     """One worker's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
-    there; each task (example b, kv head g, key block c) zeroes and then accumulates its own rows of
-    grads.dk and grads.dv, and recomputes by the exact path the keys whose result is not finite."""
+    there; each task (example e of k, v, kv head g, key block c) zeroes and then accumulates its own
+    rows of grads.dk and grads.dv, over every query example that reads them (all B where k, v have
+    batch 1), and recomputes by the exact path the keys whose result is not finite."""
     q, k, v = qkv
-    heads, n_q = q.shape[1], q.shape[2]
-    kv_heads, n_k = k.shape[1], k.shape[2]
+    batch, heads, n_q = q.shape[0], q.shape[1], q.shape[2]
+    kv_batch, kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
     group = heads // kv_heads
     n_kb = columns.full_ptr.shape[2] - 1
     block_size = config.block_size
@@ -447,22 +452,24 @@ def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, 
     scratch = _backward_scratch(q, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
     dq.reshape(-1)[:] = 0
     for task in tasks:
-        b, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
+        e, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
         j0 = c * block_size
         keys = slice(j0, min(j0 + block_size, n_k))
-        key_block = KeyBlock(j0, k[b, g, keys], v[b, g, keys], grads.dk[b, g, keys], grads.dv[b, g, keys])
+        key_block = KeyBlock(j0, k[e, g, keys], v[e, g, keys], grads.dk[e, g, keys], grads.dv[e, g, keys])
         key_block.dk[:] = 0
         key_block.dv[:] = 0
-        for h in range(g * group, (g + 1) * group):
-            _backward_head(key_block, q[b, h], _result_rows(result, b, h, slice(0, n_q)),
-                           Incoming(incoming.dout[b, h], incoming.dlse[b, h], incoming.delta[b, h]),
-                           maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
-                           segment(columns, b, h, c), columns, config, scratch, dq[b, h])
+        b0, b1 = query_examples(e, batch, kv_batch)
+        for b in range(b0, b1):
+            for h in range(g * group, (g + 1) * group):
+                _backward_head(key_block, q[b, h], _result_rows(result, b, h, slice(0, n_q)),
+                               Incoming(incoming.dout[b, h], incoming.dlse[b, h], incoming.delta[b, h]),
+                               maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
+                               segment(columns, b, h, c), columns, config, scratch, dq[b, h])
         if _finite(key_block.dk) and _finite(key_block.dv):
             continue
         for j in range(j0, j0 + key_block.k.shape[0]):
-            if not (_finite(grads.dk[b, g, j:j + 1]) and _finite(grads.dv[b, g, j:j + 1])):
-                grads.dk[b, g, j], grads.dv[b, g, j] = exact_dk_dv(qkv, result, incoming, columns, config, b, g, j)
+            if not (_finite(grads.dk[e, g, j:j + 1]) and _finite(grads.dv[e, g, j:j + 1])):
+                grads.dk[e, g, j], grads.dv[e, g, j] = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -632,15 +639,17 @@ def _backward_scratch(q, cols, width, config):
 # Scheduling
 # ------------------------------------------------------------------------------------------------
 def _task_costs(ptr: torch.Tensor, part_ptr: torch.Tensor, batch: int, heads: int,
-                kv_heads: int | None = None) -> np.ndarray:
+                kv_shape: tuple[int, int] | None = None) -> np.ndarray:
     """Block count of every task (example, head, block), flat in task-id order.
 
-    With ``kv_heads`` the tasks are (example, kv head, block) and a task sums the heads of its group.
+    With ``kv_shape`` = (kv batch, kv heads) the tasks are (kv example, kv head, block) and a task sums
+    the query examples that read it (all of them for kv batch 1) and the heads of its group.
     """
     counts = np.diff(ptr.numpy(), axis=-1) + np.diff(part_ptr.numpy(), axis=-1)  # (Bl, Hl, n_blocks)
     counts = np.broadcast_to(counts, (batch, heads, counts.shape[-1]))
-    if kv_heads is not None:
-        counts = counts.reshape(batch, kv_heads, heads // kv_heads, -1).sum(2)
+    if kv_shape is not None:
+        kv_batch, kv_heads = kv_shape
+        counts = counts.reshape(kv_batch, batch // kv_batch, kv_heads, heads // kv_heads, -1).sum((1, 3))
     return counts.reshape(-1).astype(np.int64)
 
 
@@ -746,7 +755,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
-    costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, k.shape[1])
+    costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, k.shape[:2])
     schedule = _static_schedule(_heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_bundles import segment
+from .numba_bundles import kv_example, query_examples, segment
 from .numba_lowlevel import like
 
 
@@ -57,20 +57,23 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
 
 
 @njit(cache=True, fastmath=False)
-def exact_dk_dv(qkv, result, incoming, columns, config, b, g, j):
-    """(dk, dv) (D,) float64 of key j of kv head g in example b: over the query heads of the group
-    and their queries allowed to see j (``columns``: the transposed BlockIndex)."""
+def exact_dk_dv(qkv, result, incoming, columns, config, e, g, j):
+    """(dk, dv) (D,) float64 of key j of kv head g in example e of k, v: over the query examples that
+    read it, the query heads of the group and their queries allowed to see j (``columns``: the
+    transposed BlockIndex)."""
     q, k, _ = qkv
-    heads, n_q, dim = q.shape[1], q.shape[2], q.shape[3]
+    batch, heads, n_q, dim = q.shape
     group, block_size = heads // k.shape[1], config.block_size
     acc_k, acc_v = np.zeros(dim), np.zeros(dim)
-    for h in range(g * group, (g + 1) * group):
-        query_blocks = segment(columns, b, h, j // block_size)
-        for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q, True):
-            p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
-            for d in range(dim):
-                acc_v[d] += p * incoming.dout[b, h, i, d]
-                acc_k[d] += ds * q[b, h, i, d]
+    b0, b1 = query_examples(e, batch, k.shape[0])
+    for b in range(b0, b1):
+        for h in range(g * group, (g + 1) * group):
+            query_blocks = segment(columns, b, h, j // block_size)
+            for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q, True):
+                p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
+                for d in range(dim):
+                    acc_v[d] += p * incoming.dout[b, h, i, d]
+                    acc_k[d] += ds * q[b, h, i, d]
     return config.scale * acc_k, acc_v
 
 
@@ -94,7 +97,7 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
     for j in _allowed(i % block_size, key_blocks, index.masks, block_size, k.shape[2], False):
         _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
         for d in range(dim):
-            acc[d] += ds * k[b, g, j, d]
+            acc[d] += ds * k[kv_example(b, k.shape[0]), g, j, d]
     dq[b, h, i] = config.scale * acc
 
 
@@ -106,8 +109,8 @@ def _pair_grads(qkv, result, incoming, config, b, h, i, j):
     P = exp(s) / inf, as the reference forms it (its shift is 0): NaN where exp(s) overflows in the
     inputs' dtype, else 0."""
     q, k, v = qkv
-    g = h // (q.shape[1] // k.shape[1])
-    q_i, k_j, v_j, do_i = q[b, h, i], k[b, g, j], v[b, g, j], incoming.dout[b, h, i]
+    e, g = kv_example(b, k.shape[0]), h // (q.shape[1] // k.shape[1])
+    q_i, k_j, v_j, do_i = q[b, h, i], k[e, g, j], v[e, g, j], incoming.dout[b, h, i]
     if result.lse[b, h, i] == np.inf:
         p = np.float64(like(config.scale, np.exp(_score(q_i, k_j, config.scale)))) / np.inf
     else:

@@ -23,7 +23,8 @@ def check(q, k, v, layout: BlockLayout) -> None:
 
 
 def attention(q, k, v, layout: BlockLayout, scale: float):
-    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq), float32 for half inputs."""
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq), float32 for half inputs. k, v (B or 1, Hkv,
+    Nk, D): batch 1 broadcasts over q's batch in the einsums, so autograd sums dk, dv over the batch."""
     dtype = q.dtype
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
@@ -47,7 +48,7 @@ def _attend_chunk(q, k, v, layout: BlockLayout, r0: int, r1: int, scale: float):
     q = rearrange(q, "b (h g) q d -> b h g q d", h=kv_heads)            # (B, Hkv, G, rows, D)
     mask = layout.row_mask(r0, r1)                                      # (Bl, Hl, rows, Nk)
     mask = mask[:, :, None] if layout.shared_heads else rearrange(mask, "b (h g) q k -> b h g q k", h=kv_heads)
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale            # (B, Hkv, G, rows, Nk)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale            # (B, Hkv, G, rows, Nk); k's b: B or 1
     scores = scores.masked_fill(~mask, float("-inf"))
     shift = scores.amax(-1, keepdim=True).detach()                      # softmax is shift-invariant
     shift = torch.where(torch.isinf(shift), 0.0, shift)                 # empty rows: any finite shift

@@ -30,6 +30,11 @@ Backward (recomputes P from q, k and lse instead of storing it; no atomics, so d
    ``dV += P^T dO`` and ``dK += scale * dS^T Q`` with ``dS = P * (dO V^T - delta)``;
 3. dQ, one program per (query block, batch x head): walks the row index, ``dQ += scale * dS K``.
 
+K and V of batch 1 (one K, V read by every example of q) are never copied: the forward and dQ kernels
+read them with batch stride 0. The dK/dV programs still run per (key block, example x kv head), into a
+float32 (B, Hkv, Nk, D) buffer each for dK and dV that is then summed over the batch: 8 B Hkv Nk D bytes
+more than a per-example K, V would take, and still no atomics.
+
 CPU tensors run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first
 imported: slow, for tests only. The kernels are registered as ``torch.library`` custom ops with
 fake and autograd implementations, so ``torch.compile(fullgraph=True)`` traces them forward and
@@ -341,6 +346,11 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
+def _kv_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides of k or v (Bkv, Hkv, Nk, D), the batch stride 0 where Bkv = 1: every example reads the one k, v."""
+    return (t.stride(0) if t.shape[0] > 1 else 0, *t.stride()[1:])
+
+
 def _layout_strides(ptr: torch.Tensor) -> tuple[int, int]:
     """Strides of a (Bl, Hl, n + 1) ptr tensor, 0 along a broadcast (size-1) dimension."""
     return (ptr.stride(0) if ptr.shape[0] > 1 else 0), (ptr.stride(1) if ptr.shape[1] > 1 else 0)
@@ -403,7 +413,7 @@ def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)   # (B, Hq, Nq)
     grid = (triton.cdiv(n_q, block), batch * heads)
     _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
-                      *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_layout_strides(full_ptr),
+                      *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr),
                       scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1],
                       **_launch(q, backward=False), **_meta(q, k, block))
     return out, lse
@@ -423,9 +433,11 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
                                    HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block,
                                    **PREPROCESS_LAUNCH)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)                   # (B, Hq, Nq, D)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)                   # (B, Hkv, Nk, D)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout))
+    # dK/dV per query example: k, v of batch 1 get a float32 (B, Hkv, Nk, D) buffer each, summed below
+    shared_kv = k.shape[0] < batch
+    dk = torch.empty((batch, *k.shape[1:]), dtype=torch.float32 if shared_kv else k.dtype, device=k.device)
+    dv = torch.empty_like(dk)                                                   # (B, Hkv, Nk, D)
+    common = (*_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(dout))
     _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
         *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, kv_heads, heads // kv_heads,
@@ -434,6 +446,8 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
         q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
         *common, *_layout_strides(full_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, heads // kv_heads,
         **launch, **meta)
+    if shared_kv:
+        dk, dv = (d.sum(0, keepdim=True).to(k.dtype) for d in (dk, dv))         # (1, Hkv, Nk, D)
     return dq, dk, dv
 
 
