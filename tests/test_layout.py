@@ -26,10 +26,32 @@ leaves = st.one_of(
     st.just(sa.Causal()),
     st.just(sa.Dense()),
 )
-patterns = st.recursive(leaves, lambda inner: st.one_of(
-    st.builds(lambda a, b: a | b, inner, inner),
-    st.builds(lambda a, b: a & b, inner, inner),
-), max_leaves=5)
+
+
+def block_grids(n_q, n_k, heads=None):
+    """``Blocks`` leaves that fit (n_q, n_k): a random grid of a random block size, shared or per head."""
+    def grid(block_size, per_head, density, seed):
+        shape = ((heads,) if per_head else ()) + (-(-n_q // block_size), -(-n_k // block_size))
+        return sa.Blocks(np.random.default_rng(seed).random(shape) < density, block_size)
+    return st.builds(grid, st.sampled_from([1, 2, 3, 5, 8, 16, 100]), st.booleans() if heads else st.just(False),
+                     st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.integers(0, 2**16))
+
+
+def pattern_trees(leaf):
+    """Random compositions of ``leaf`` with |, & and ~."""
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.builds(lambda a, b: a | b, inner, inner),
+        st.builds(lambda a, b: a & b, inner, inner),
+        st.builds(lambda a: ~a, inner),
+    ), max_leaves=5)
+
+
+patterns = pattern_trees(leaves)                        # fits every size
+
+
+def patterns_for(n_q, n_k, heads=None):
+    """Compositions that may hold ``Blocks`` grids, which fit only (n_q, n_k) (and ``heads`` if per head)."""
+    return pattern_trees(st.one_of(leaves, block_grids(n_q, n_k, heads)))
 
 
 def check_layout_matches_mask(pattern, n_q, n_k, heads, block_size, **masks):
@@ -97,16 +119,18 @@ def check_blocks_exact(layout, expected):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pattern=patterns, n_q=st.integers(1, 70), n_k=st.integers(1, 70), heads=st.integers(1, 2),
+@given(data=st.data(), n_q=st.integers(1, 70), n_k=st.integers(1, 70), heads=st.integers(1, 2),
        block_size=st.sampled_from([1, 2, 3, 4, 8, 16, 32, 64, 100]))
-def test_layout_agrees_with_mask(pattern, n_q, n_k, heads, block_size):
+def test_layout_agrees_with_mask(data, n_q, n_k, heads, block_size):
+    pattern = data.draw(patterns_for(n_q, n_k, heads), label="pattern")
     check_layout_matches_mask(pattern, n_q, n_k, heads, block_size)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pattern=patterns, n=st.integers(1, 50), batch=st.integers(1, 3), block_size=st.sampled_from([4, 8, 16]),
+@given(data=st.data(), n=st.integers(1, 50), batch=st.integers(1, 3), block_size=st.sampled_from([4, 8, 16]),
        causal=st.booleans(), seed=st.integers(0, 2**16))
-def test_per_example_layout_agrees_with_mask(pattern, n, batch, block_size, causal, seed):
+def test_per_example_layout_agrees_with_mask(data, n, batch, block_size, causal, seed):
+    pattern = data.draw(patterns_for(n, n, heads=2), label="pattern")
     gen = torch.Generator().manual_seed(seed)
     global_mask = torch.rand(batch, n, generator=gen) < 0.1
     key_padding_mask = torch.arange(n)[None, :] >= torch.randint(1, n + 1, (batch, 1), generator=gen)
@@ -226,7 +250,8 @@ def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, 
 
 
 def _has_random(pattern) -> bool:
-    return isinstance(pattern, sa.Random) or any(_has_random(p) for p in getattr(pattern, "patterns", ()))
+    members = getattr(pattern, "patterns", ()) + ((pattern.pattern,) if isinstance(pattern, sa.Complement) else ())
+    return isinstance(pattern, sa.Random) or any(_has_random(p) for p in members)
 
 
 @settings(max_examples=80, deadline=None)
