@@ -25,7 +25,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern | BlockLayout,
                      causal: bool = False, key_padding_mask: torch.Tensor | None = None,
-                     global_mask: torch.Tensor | None = None, scale: float | None = None,
+                     global_mask: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                     scale: float | None = None,
                      backend: str = "auto", return_lse: bool = False):
     """Exact softmax attention over the (query, key) pairs that ``pattern`` allows.
 
@@ -35,7 +36,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         pattern: a Pattern, or a BlockLayout built once with ``pattern.layout(...)`` and reused.
         causal: also require ``j <= i + (Nk - Nq)``.
         key_padding_mask: (B, Nk) bool, True = padding (never attended).
-        global_mask: (B, N) bool, True = that token is global in that example (needs Nq == Nk).
+        global_mask: (B, N) bool, True = that token is global in that example (needs Nq == Nk); with
+            ``documents``, global within its own document.
+        documents: (B, N) int (torch or numpy), one document id per token, -1 = padding (needs Nq == Nk).
+            Each document is one contiguous run and attends as a sequence by itself: positions count
+            from its first token, no pair crosses documents, padding rows output 0. Build it with
+            ``sa.documents_from_lengths`` or ``sa.documents_from_cu_seqlens``.
         scale: score scale, default ``1 / sqrt(D)``.
         backend: "auto" (triton for CUDA tensors, numba for CPU), "reference", "numba" or "triton".
         return_lse: also return the log-sum-exp of each query row, (B, Hq, Nq) float32 (float64
@@ -54,38 +60,38 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     module = backends.load(_choose_backend(backend, q))
     scale = resolve_scale(scale, head_dim)
     if q.device.type == "meta":
-        check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask)
+        check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
         out, lse = _meta_attention(q, k, v)
     else:
         layout = resolve_layout(pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal, key_padding_mask,
-                                global_mask).to(q.device)
+                                global_mask, documents).to(q.device)
         module.check(q, k, v, layout)
         out, lse = module.attention(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
 
 
 def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,
-                   key_padding_mask, global_mask) -> BlockLayout:
+                   key_padding_mask, global_mask, documents=None) -> BlockLayout:
     """The layout to run: a prebuilt one checked against the inputs, or one built from the pattern."""
-    check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask)
+    check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
     if isinstance(pattern, BlockLayout):
         return pattern
     return pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal, global_mask=global_mask,
-                          key_padding_mask=key_padding_mask)
+                          key_padding_mask=key_padding_mask, documents=documents)
 
 
 def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causal, key_padding_mask,
-                      global_mask) -> None:
+                      global_mask, documents=None) -> None:
     """The pattern (or prebuilt layout), causal and the call-time masks, against the inputs' shapes."""
     causal = check_bool("causal", causal)
     if isinstance(pattern, BlockLayout):
-        if causal or key_padding_mask is not None or global_mask is not None:
-            raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout: build it "
-                             "with pattern.layout(..., causal=..., key_padding_mask=..., global_mask=...) or pass "
-                             "the Pattern instead")
+        if causal or key_padding_mask is not None or global_mask is not None or documents is not None:
+            raise ValueError("causal, key_padding_mask and global_mask are part of a prebuilt BlockLayout, and so "
+                             "are documents: build it with pattern.layout(..., causal=..., key_padding_mask=..., "
+                             "global_mask=..., documents=...) or pass the Pattern instead")
         _check_layout(pattern, batch, heads, n_q, n_k)
     elif isinstance(pattern, Pattern):
-        check_call_masks(n_q, n_k, global_mask, key_padding_mask, batch)
+        check_call_masks(n_q, n_k, global_mask, key_padding_mask, batch, documents)
         pattern.check_heads(heads)
     else:
         raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")

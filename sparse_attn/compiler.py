@@ -29,6 +29,7 @@ import torch
 from ._host import host_only
 from .blocks import block_areas, ceil_div, check_lengths
 from .checks import check_bool, check_int, check_token_mask
+from .documents import Spans, check_documents, document_spans
 from .layout import BlockLayout
 from .rules import Context, Rule, block_table, resolve, with_call_data
 
@@ -38,10 +39,11 @@ _INT32_MAX = 2**31 - 1
 
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64, *,
-                 causal: bool = False, global_mask=None, key_padding_mask=None, cache: bool = True) -> BlockLayout:
-    """What :meth:`Pattern.layout` returns. Layouts are cached, call-time masks by their values, so every
-    layer of a model called with the same padding shares one layout; ``cache=False`` builds anew (what
-    a benchmark of the build times).
+                 causal: bool = False, global_mask=None, key_padding_mask=None, documents=None,
+                 cache: bool = True) -> BlockLayout:
+    """What :meth:`Pattern.layout` returns. Layouts are cached, call-time masks and documents by their values,
+    so every layer of a model called with the same padding shares one layout; ``cache=False`` builds anew
+    (what a benchmark of the build times).
 
     Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
     the compiled function and pass it to ``sparse_attention``.
@@ -50,17 +52,20 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
     causal = check_bool("causal", causal)
     pattern.check_heads(heads)
-    check_call_masks(n_q, n_k, global_mask, key_padding_mask)
+    documents = _document_values(documents, check_call_masks(n_q, n_k, global_mask, key_padding_mask,
+                                                             documents=documents))
     global_mask, key_padding_mask = _mask_values("global_mask", global_mask), _mask_values("key_padding_mask",
                                                                                             key_padding_mask)
     if not cache:
-        return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask)
+        return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
     return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
-                          _Mask.of(key_padding_mask))
+                          _Mask.of(key_padding_mask), _Documents.of(documents))
 
 
-def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: int | None = None) -> None:
-    """The call-time masks' types and shapes (``batch=None``: any batch, the same for both).
+def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: int | None = None,
+                     documents=None) -> np.ndarray | None:
+    """The call-time masks' types and shapes (``batch=None``: any batch, the same for all), and the documents
+    (``sparse_attn.documents.check_documents``), returned as an int64 array (None when not given).
 
     >>> check_call_masks(4, 3, torch.zeros(1, 4, dtype=torch.bool), None)
     Traceback (most recent call last):
@@ -75,6 +80,13 @@ def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: i
         batch = global_mask.shape[0]
     if key_padding_mask is not None:
         check_token_mask("key_padding_mask", key_padding_mask, batch, n_k)
+        batch = key_padding_mask.shape[0]
+    if documents is None:
+        return None
+    if n_q != n_k:
+        raise ValueError(f"documents needs n_q == n_k (each document is its own sequence of queries and keys), "
+                         f"got n_q={n_q}, n_k={n_k}; pass documents only for self-attention over a packed sequence")
+    return check_documents(documents, batch, n_q)
 
 
 def _mask_values(name: str, mask) -> np.ndarray | None:
@@ -85,6 +97,14 @@ def _mask_values(name: str, mask) -> np.ndarray | None:
                              f"a tensor with values (sparse_attention with meta q, k, v needs no layout)")
         mask = mask.detach().cpu().numpy()
     return mask
+
+
+def _document_values(documents, ids: np.ndarray | None) -> np.ndarray | None:
+    """The checked ids of a documents tensor; a meta tensor's values, which decide the layout, cannot be read."""
+    if documents is not None and ids is None:
+        raise ValueError("documents is a meta tensor: its values, which decide the layout, cannot be read; pass a "
+                         "tensor with values (sparse_attention with meta q, k, v needs no layout)")
+    return ids
 
 
 class _Mask(NamedTuple):
@@ -102,28 +122,55 @@ class _Mask(NamedTuple):
         return np.unpackbits(np.frombuffer(self.bits, np.uint8), count=n).astype(bool).reshape(self.shape)
 
 
+class _Documents(NamedTuple):
+    """Documents as a hashable value for the layout cache: the shape and each run's (start, id)."""
+
+    shape: tuple[int, int]
+    runs: bytes
+
+    @staticmethod
+    def of(ids: np.ndarray | None) -> _Documents | None:
+        if ids is None:
+            return None
+        change = np.ones(ids.shape, dtype=bool)
+        change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        example, start = np.nonzero(change)
+        return _Documents(ids.shape, np.stack([example, start, ids[example, start]]).astype(np.int64).tobytes())
+
+    def array(self) -> np.ndarray:
+        example, start, run_id = np.frombuffer(self.runs, np.int64).reshape(3, -1)
+        lengths = np.diff(np.append(example * self.shape[1] + start, self.shape[0] * self.shape[1]))
+        return np.repeat(run_id, lengths).reshape(self.shape)
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
-                   key_padding_mask: _Mask | None) -> BlockLayout:
+                   key_padding_mask: _Mask | None, documents: _Documents | None) -> BlockLayout:
     return _compile(pattern, n_q, n_k, heads, block_size, causal,
-                    *(None if m is None else m.array() for m in (global_mask, key_padding_mask)))
+                    *(None if m is None else m.array() for m in (global_mask, key_padding_mask, documents)))
 
 
-def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask) -> BlockLayout:
-    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None."""
+def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents) -> BlockLayout:
+    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None, the documents an
+    int64 array (batch, n) or None."""
     # a block_size beyond both lengths means one block a side, as a block of max(n_q, n_k) does: compile
     # with that, so no cost and no intermediate depends on how large block_size is
     step = min(block_size, max(n_q, n_k))
-    batch = next((m.shape[0] for m in (global_mask, key_padding_mask) if m is not None), None)
+    batch = next((m.shape[0] for m in (global_mask, key_padding_mask, documents) if m is not None), None)
     n_heads = heads if pattern.head_dependent else 1
-    tables, tiles = [], []
+    tables, tiles, classes = [], [], {}
     for b in range(batch or 1):
         for h in range(n_heads):
-            ctx = Context(n_q, n_k, h)
-            positions = None if global_mask is None else np.flatnonzero(global_mask[b]).astype(np.int64)
-            rule = with_call_data(resolve(pattern, ctx), positions, causal,
-                                  None if key_padding_mask is None else key_padding_mask[b])
-            keys, full, tile, masks = _blocks_and_tiles(rule, ctx, step)
+            positions = None if global_mask is None else global_mask[b]
+            padding = None if key_padding_mask is None else key_padding_mask[b]
+            if documents is None:
+                ctx = Context(n_q, n_k, h)
+                positions = None if positions is None else np.flatnonzero(positions).astype(np.int64)
+                rule = with_call_data(resolve(pattern, ctx), positions, causal, padding)
+                keys, full, tile, masks, _ = _blocks_and_tiles(rule, ctx, step, (min(step, n_q), min(step, n_k)))
+            else:
+                keys, full, tile, masks = _document_blocks(pattern, h, causal, positions, padding,
+                                                           document_spans(documents[b:b + 1]), n_q, step, classes)
             tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
             tiles.append(masks)
     masks, remap = _unique_tiles(np.concatenate(tiles))
@@ -161,38 +208,150 @@ def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int
     return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))
 
 
-def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int):
-    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles.
+def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, int], offset: int = 0,
+                      keep_cut: bool = False):
+    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles, and which blocks
+    are cut (reach past the sequence's start or end).
 
-    Partial blocks are grouped by signature (plus whether they are cut by the sequence end); one
-    tile per group is evaluated at token level, then tiles that turn out all-allowed promote their
-    blocks to full and all-empty ones drop them.
+    Partial blocks are grouped by signature (plus how they are cut by the sequence ends); one tile per
+    group is evaluated at token level, then tiles that turn out all-allowed promote their blocks to full
+    and all-empty ones drop them. ``offset``: the grid starts that many tokens before position 0 (a
+    packed document, see :meth:`~sparse_attn.rules.Blocks.at`); ``keep_cut``: cut blocks keep their tile,
+    never full, for a caller that merges them with the rest of their block.
     """
-    keys, full, sig = block_table(rule, ctx, bs)
-    n_qb, n_kb = ceil_div(ctx.n_q, bs), ceil_div(ctx.n_k, bs)
+    keys, full, sig = block_table(rule, ctx, bs, offset)
+    n_qb, n_kb = ceil_div(ctx.n_q + offset, bs), ceil_div(ctx.n_k + offset, bs)
     rows, cols = keys // n_kb, keys % n_kb
-    part = np.flatnonzero(~full)
-    cut = ((rows[part] == n_qb - 1) & (ctx.n_q % bs != 0)) * 2 + ((cols[part] == n_kb - 1) & (ctx.n_k % bs != 0))
-    _, first, group = np.unique(np.column_stack([sig[part], cut]), axis=0, return_index=True, return_inverse=True)
+    cut = (((rows == 0) & (offset > 0)) * 8 + ((rows == n_qb - 1) & ((ctx.n_q + offset) % bs != 0)) * 4
+           + ((cols == 0) & (offset > 0)) * 2 + ((cols == n_kb - 1) & ((ctx.n_k + offset) % bs != 0)))
+    part = np.flatnonzero(~full | (keep_cut & (cut > 0)))
+    _, first, group = np.unique(np.column_stack([sig[part], cut[part]]), axis=0, return_index=True,
+                                return_inverse=True)
     group = group.reshape(-1)
-    tiles = _tiles(rule, ctx, bs, rows[part][first] * bs, cols[part][first] * bs)
+    starts = rows[part][first] * bs - offset, cols[part][first] * bs - offset
+    tiles = _tiles(rule, ctx, tile_shape, *starts)
     allowed = tiles.sum((1, 2))
-    area = block_areas(rows[part][first], cols[part][first], (bs, bs), (ctx.n_q, ctx.n_k))
-    keep_tile = (allowed > 0) & (allowed < area)
+    area = (np.minimum(starts[0] + bs, ctx.n_q) - np.maximum(starts[0], 0)) * (
+        np.minimum(starts[1] + bs, ctx.n_k) - np.maximum(starts[1], 0))
+    promote = (allowed == area) & ~(keep_cut & (cut[part][first] > 0))
+    keep_tile = (allowed > 0) & ~promote
     new_id = np.cumsum(keep_tile) - 1
     keep = np.ones(len(keys), dtype=bool)
     keep[part] = allowed[group] > 0
     full = full.copy()
-    full[part] = allowed[group] == area[group]
+    full[part] = promote[group]
     tile = np.full(len(keys), -1, dtype=np.int64)
     tile[part] = np.where(keep_tile[group], new_id[group], -1)
-    return keys[keep], full[keep], tile[keep], tiles[keep_tile]
+    return keys[keep], full[keep], tile[keep], tiles[keep_tile], cut[keep] > 0
 
 
-def _tiles(rule: Rule, ctx: Context, bs: int, i0: np.ndarray, j0: np.ndarray) -> np.ndarray:
-    """Token masks (n, tq, tk) of blocks starting at query row i0 and key j0, False outside the sequence;
-    tq = min(bs, n_q), tk = min(bs, n_k). Evaluated a few tile rows at a time, in bounded memory."""
-    tq, tk = min(bs, ctx.n_q), min(bs, ctx.n_k)
+def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, spans: Spans, n: int, step: int,
+                     classes: dict):
+    """Blocks of one (example, head) of packed documents: keys, full flags, tile ids, tiles (as
+    ``_blocks_and_tiles``).
+
+    Each document is resolved as a sequence of its own length (with its own global tokens and padding)
+    and classified in a block grid offset by where it starts in its first block. Documents of equal
+    length and offset have the same blocks up to a translation by whole blocks, so a class of them is
+    classified once (``classes`` keeps the classes of earlier examples) and its blocks are translated to
+    every member. A block that lies inside one document is that document's; a block cut by a document's
+    ends is the union of the parts of every document in it (only diagonal blocks hold several), merged
+    from the parts' tiles and then classified against the block's area.
+    """
+    n_kb = ceil_div(n, step)
+    pool, out, cut_keys, cut_tiles = [], [], [], []       # tiles; uncut (keys, full, tile); cut parts
+    n_pool = 0
+    for key, members in _document_classes(spans, step, pattern.head_dependent, global_row, padding_row):
+        if (head, key) not in classes:
+            classes[head, key] = _document_class(pattern, head, causal, global_row, padding_row, spans, members[0],
+                                                 step)
+        keys, full, tile, tiles, cut = classes[head, key]
+        per_side = ceil_div(key[0] + key[1], step)
+        first = spans.start[members] // step                                      # (m,) first block of each
+        shifted = (first[:, None] + keys // per_side) * n_kb + first[:, None] + keys % per_side   # (m, k)
+        tile = np.where(tile >= 0, tile + n_pool, -1)
+        out.append((shifted[:, ~cut].reshape(-1), np.tile(full[~cut], len(members)), np.tile(tile[~cut], len(members))))
+        cut_keys.append(shifted[:, cut].reshape(-1))
+        cut_tiles.append(np.tile(tile[cut], len(members)))
+        pool.append(tiles)
+        n_pool += len(tiles)
+    pool = np.concatenate(pool) if pool else np.zeros((0, step, step), dtype=bool)
+    merged_keys, merged_full, merged_tile, merged = _merge_parts(np.concatenate(cut_keys or [np.zeros(0, np.int64)]),
+                                                                 np.concatenate(cut_tiles or [np.zeros(0, np.int64)]),
+                                                                 pool, n, step)
+    keys, full, tile = (np.concatenate(column) for column in zip(*out, (merged_keys, merged_full,
+                                                                       np.where(merged_tile >= 0, merged_tile + len(pool), -1))))
+    pool = np.concatenate([pool, merged])
+    order = np.argsort(keys)
+    keys, full, tile = keys[order], full[order], tile[order]
+    used = np.unique(tile[tile >= 0])                    # parts merged into another tile are dropped
+    return keys, full, np.where(tile >= 0, np.searchsorted(used, tile), -1), pool[used]
+
+
+def _document_classes(spans: Spans, step: int, per_document: bool, global_row, padding_row):
+    """Classes of documents resolving to the same blocks: ``(key, member indices)``, the key being (length,
+    offset in the first block, id, global positions, padding) with the last three None where they play no
+    part. Documents with their own global tokens or padding, and every document of a pattern that
+    draws per document, form classes of their own (by value)."""
+    length, offset = spans.length, spans.start % step
+    own = np.full(len(length), per_document)
+    for row in (global_row, padding_row):
+        if row is not None:
+            before = np.concatenate([[0], np.cumsum(row)])
+            own |= before[spans.start + length] > before[spans.start]
+    shared = np.flatnonzero(~own)
+    code = length[shared] * step + offset[shared]
+    values, inverse = np.unique(code, return_inverse=True)
+    groups = np.split(shared[np.argsort(inverse, kind="stable")], np.cumsum(np.bincount(inverse.reshape(-1)))[:-1])
+    classes = {(int(v // step), int(v % step), None, None, None): g for v, g in zip(values, groups)}
+    for d in np.flatnonzero(own):
+        s, e = spans.start[d], spans.start[d] + length[d]
+        key = (int(length[d]), int(offset[d]), int(spans.id[d]) if per_document else None,
+               *(None if row is None or not row[s:e].any() else np.flatnonzero(row[s:e]).tobytes()
+                 for row in (global_row, padding_row)))
+        classes.setdefault(key, []).append(d)
+    return [(key, np.asarray(members, dtype=np.int64)) for key, members in classes.items()]
+
+
+def _document_class(pattern, head, causal, global_row, padding_row, spans: Spans, d: int, step: int):
+    """``_blocks_and_tiles`` of document ``d`` alone, in the grid of its offset, cut blocks kept as tiles."""
+    s, length = int(spans.start[d]), int(spans.length[d])
+    ctx = Context(length, length, head, int(spans.id[d]))
+    positions = None if global_row is None else np.flatnonzero(global_row[s:s + length]).astype(np.int64)
+    padding = None if padding_row is None or not padding_row[s:s + length].any() else padding_row[s:s + length]
+    rule = with_call_data(resolve(pattern, ctx), positions if positions is not None and positions.size else None,
+                          causal, padding)
+    return _blocks_and_tiles(rule, ctx, step, (step, step), s % step, keep_cut=True)
+
+
+def _merge_parts(keys: np.ndarray, tiles: np.ndarray, pool: np.ndarray, n: int, step: int):
+    """Blocks shared by parts (block key, tile in ``pool``): the OR of each block's part tiles, classified
+    against the block's area. Blocks with the same parts share one merge. Returns keys, full flags, tile
+    ids into the returned merged tiles (-1 for full blocks)."""
+    order = np.lexsort((tiles, keys))
+    keys, tiles = keys[order], tiles[order]
+    starts = np.flatnonzero(np.append(len(keys) > 0, keys[1:] != keys[:-1]))
+    block_keys, sizes = keys[starts], np.diff(np.append(starts, len(keys)))
+    parts = np.full((len(starts), int(sizes.max(initial=1))), -1, dtype=np.int64)       # (blocks, most parts)
+    parts[np.repeat(np.arange(len(starts)), sizes), np.arange(len(keys)) - np.repeat(starts, sizes)] = tiles
+    unique, inverse = np.unique(parts, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if not len(unique):
+        return block_keys, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), pool[:0]
+    valid = unique >= 0                                  # each row: its parts first, then -1 padding
+    first_part = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
+    merged = np.logical_or.reduceat(pool[unique[valid]], first_part, axis=0)            # (unique, tq, tk)
+    n_kb = ceil_div(n, step)
+    area = block_areas(block_keys // n_kb, block_keys % n_kb, (step, step), (n, n))
+    allowed = merged.sum((1, 2))[inverse]
+    full = allowed == area
+    return block_keys, full, np.where(full, -1, inverse), merged
+
+
+def _tiles(rule: Rule, ctx: Context, tile_shape: tuple[int, int], i0: np.ndarray, j0: np.ndarray) -> np.ndarray:
+    """Token masks (n, tq, tk) of blocks starting at query row i0 and key j0 (negative before the sequence's
+    start), False outside the sequence. Evaluated a few tile rows at a time, in bounded memory."""
+    tq, tk = tile_shape
     out = np.zeros((len(i0) * tq, tk), dtype=bool)                      # every tile row, stacked
     cols = np.arange(tk, dtype=np.int64)
     rows_per_chunk = max(1, _TILE_ELEMENTS // tk)
@@ -200,9 +359,9 @@ def _tiles(rule: Rule, ctx: Context, bs: int, i0: np.ndarray, j0: np.ndarray) ->
         row = np.arange(s, min(s + rows_per_chunk, len(out)), dtype=np.int64)
         i = (i0[row // tq] + row % tq)[:, None]                        # (rows, 1) query rows
         j = j0[row // tq][:, None] + cols[None, :]                     # (rows, tk) keys
-        inside = (i < ctx.n_q) & (j < ctx.n_k)
-        positions = np.minimum(i, ctx.n_q - 1) + ctx.shift
-        out[s:s + len(row)] = rule.allows(positions, np.minimum(j, ctx.n_k - 1)) & inside
+        inside = (i >= 0) & (i < ctx.n_q) & (j >= 0) & (j < ctx.n_k)
+        positions = np.clip(i, 0, ctx.n_q - 1) + ctx.shift
+        out[s:s + len(row)] = rule.allows(positions, np.clip(j, 0, ctx.n_k - 1)) & inside
     return out.reshape(len(i0), tq, tk)
 
 

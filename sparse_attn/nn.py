@@ -26,7 +26,7 @@ from . import backends
 from ._host import host_only
 from .api import sparse_attention
 from .checks import check_float, check_int
-from .pattern import Dense, Pattern, check_pattern
+from .pattern import Dense, Local, Pattern, check_pattern
 
 
 class SparseSelfAttention(nn.Module):
@@ -49,11 +49,13 @@ class SparseSelfAttention(nn.Module):
             ordinary projections. Global tokens of the *pattern* (``sa.Global``) use the ordinary
             projections.
 
-    ``forward(x, key_padding_mask=None, global_mask=None, causal=False)``: ``key_padding_mask``
-    (B, N) bool, True = padding: never attended, and the attention output at padded positions is 0
-    (so the layer returns ``out_proj.bias`` there, as Longformer does); ``global_mask`` (B, N) bool,
-    True = global token in that example; ``causal=True`` keeps keys ``j <= i``. An empty batch or
-    sequence gives an empty output, as in ``nn.MultiheadAttention``.
+    ``forward(x, key_padding_mask=None, global_mask=None, causal=False, documents=None)``:
+    ``key_padding_mask`` (B, N) bool, True = padding: never attended, and the attention output at padded
+    positions is 0 (so the layer returns ``out_proj.bias`` there, as Longformer does); ``global_mask``
+    (B, N) bool, True = global token in that example; ``causal=True`` keeps keys ``j <= i``;
+    ``documents`` (B, N) int ids of packed documents, -1 = padding (as in ``sparse_attention``): each
+    document attends as a sequence by itself, global tokens (with ``global_projections`` too) within
+    their own document. An empty batch or sequence gives an empty output, as in ``nn.MultiheadAttention``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: Pattern, *, num_kv_heads: int | None = None,
@@ -85,7 +87,8 @@ class SparseSelfAttention(nn.Module):
                 f"global_projections={self.global_projections}, backend={self.backend!r}")
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                global_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+                global_mask: torch.Tensor | None = None, causal: bool = False,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """(B, N, E) -> (B, N, E), or (N, B, E) -> (N, B, E) with ``batch_first=False``."""
         self._check_input(x)
         if causal and self.global_projections and global_mask is not None:
@@ -100,25 +103,32 @@ class SparseSelfAttention(nn.Module):
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         out = sparse_attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
-                               global_mask=global_mask, backend=self.backend)     # (B, H, N, D)
+                               global_mask=global_mask, documents=documents, backend=self.backend)  # (B, H, N, D)
         if self.global_projections and global_mask is not None:
-            out = self._global_rows(x, out, key_padding_mask, global_mask)
+            out = self._global_rows(x, out, key_padding_mask, global_mask, documents)
         if key_padding_mask is not None:
             out = out.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         out = nn.functional.dropout(out, self.dropout, self.training)
         out = self.out_proj(rearrange(out, "b h n d -> b n (h d)"))                # (B, N, E)
         return out if self.batch_first else out.transpose(0, 1)
 
-    def _global_rows(self, x, out, key_padding_mask, global_mask):
-        """Replace the rows of global tokens by attention through the global projections."""
+    def _global_rows(self, x, out, key_padding_mask, global_mask, documents):
+        """Replace the rows of global tokens by attention through the global projections (over their own
+        document when ``documents`` is given: every row is projected, and a pattern of global rows only,
+        ``Local(0)`` plus ``global_mask``, gives each global row its whole document)."""
         index = _global_positions(global_mask)                                    # (B, G)
         if index is None:
             return out
+        k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
+        v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
+        if documents is not None:
+            q = self._split_heads(self.q_global_proj(x), self.num_heads)           # (B, H, N, D)
+            rows = sparse_attention(q, k, v, Local(0), key_padding_mask=key_padding_mask, global_mask=global_mask,
+                                    documents=documents, backend=self.backend)    # (B, H, N, D)
+            return torch.where(global_mask[:, None, :, None], rows, out)
         heads, head_dim = out.shape[1], out.shape[3]
         x_global = x.gather(1, repeat(index, "b g -> b g e", e=x.shape[-1]))        # (B, G, E)
         q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
-        k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
-        v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
                                 backend=self.backend)                             # (B, H, G, D)
         index = repeat(index, "b g -> b h g d", h=heads, d=head_dim)               # (B, H, G, D)

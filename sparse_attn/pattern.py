@@ -95,7 +95,7 @@ class Pattern:
         return Intersection(self, other)
 
     def __invert__(self) -> Pattern:
-        """``~p``: the pairs ``p`` does not allow (``~~p`` gives ``p`` back)."""
+        """``~p``: the pairs ``p`` does not allow (``~~p`` gives back ``p``)."""
         return Complement(self)
 
     # --- user-facing views ---------------------------------------------------------------------
@@ -121,15 +121,28 @@ class Pattern:
         return out if per_head else out.expand(heads, n_q, n_k).clone()
 
     def layout(self, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64,
-               *, causal: bool = False, global_mask=None, key_padding_mask=None) -> BlockLayout:
-        """Compile into a :class:`~sparse_attn.layout.BlockLayout` (cached when no masks are given).
+               *, causal: bool = False, global_mask=None, key_padding_mask=None, documents=None) -> BlockLayout:
+        """Compile into a :class:`~sparse_attn.layout.BlockLayout` (cached; call-time masks and documents
+        are keyed by their values).
+
+        ``causal``, ``key_padding_mask`` and ``global_mask`` as in ``sparse_attention``; ``documents``
+        (B, n) int ids, -1 = padding: each document attends as a sequence by itself (see
+        ``sparse_attn.documents``).
 
         >>> lay = (Local(256) | Global(first=16)).layout(1 << 20, heads=12)  # doctest: +SKIP
+        >>> ids = np.array([[0, 0, 0, 1, 1, -1]])                 # two documents and one padding token
+        >>> Global(first=1).layout(6, documents=ids).to_dense()[0, 0].int()
+        tensor([[1, 1, 1, 0, 0, 0],
+                [1, 0, 0, 0, 0, 0],
+                [1, 0, 0, 0, 0, 0],
+                [0, 0, 0, 1, 1, 0],
+                [0, 0, 0, 1, 0, 0],
+                [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
         """
         from .compiler import build_layout  # here, not at module level: the compiler imports torch
 
-        return build_layout(self, n_q, n_k, heads, block_size, causal=causal,
-                            global_mask=global_mask, key_padding_mask=key_padding_mask)
+        return build_layout(self, n_q, n_k, heads, block_size, causal=causal, global_mask=global_mask,
+                            key_padding_mask=key_padding_mask, documents=documents)
 
     @property
     def head_dependent(self) -> bool:
@@ -593,8 +606,8 @@ class Intersection(_Combination):
 
 @dataclasses.dataclass(frozen=True, repr=False, init=False)
 class Complement(Pattern):
-    """``~p``: the pairs ``p`` does not allow. ``~~p`` gives ``p`` back (the same object); ``Complement``
-    called on a complement keeps both levels, with the same mask.
+    """``~p``: the pairs ``p`` does not allow. ``~`` of a complement gives back its pattern, so ``~~p == p``;
+    ``Complement`` called on a complement keeps both levels, with the same mask.
 
     >>> (Local(1) & ~Local(0)).mask(4)[0].int()               # the window without its diagonal
     tensor([[0, 1, 0, 0],

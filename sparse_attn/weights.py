@@ -31,13 +31,14 @@ _SCORES_PER_CHUNK = 1 << 24  # score elements materialised at once (as in the re
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | BlockLayout, *, causal: bool = False,
                       key_padding_mask: torch.Tensor | None = None, global_mask: torch.Tensor | None = None,
-                      scale: float | None = None, block_size: int = 64) -> list[list[scipy.sparse.csr_array]]:
+                      documents: torch.Tensor | None = None, scale: float | None = None,
+                      block_size: int = 64) -> list[list[scipy.sparse.csr_array]]:
     """Softmax probabilities that ``sparse_attention`` would apply, for the allowed pairs only.
 
     Args:
         q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention).
         pattern: a Pattern, or a prebuilt BlockLayout (then causal and the masks are already in it).
-        causal, key_padding_mask, global_mask, scale: as in ``sparse_attention``.
+        causal, key_padding_mask, global_mask, documents, scale: as in ``sparse_attention``.
         block_size: the block size of the layout built from a Pattern (it does not change the result).
 
     Returns:
@@ -51,7 +52,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
         raise ValueError("attention_weights returns probabilities, which meta tensors do not have; call it with "
                          "tensors that hold values (sparse_attention propagates meta shapes)")
     n_k = k.shape[2]
-    layout = resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask)
+    layout = resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
+                            documents)
     scale = resolve_scale(scale, head_dim)
 
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32

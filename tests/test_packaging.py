@@ -19,7 +19,7 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
     assert {p.name for p in (root / "patterns").glob("*.toml")} == shipped
 
 
-@pytest.mark.parametrize("module", ["sparse_attn", "sparse_attn.pattern", "sparse_attn.rules", "sparse_attn.compiler",
+@pytest.mark.parametrize("module", ["sparse_attn", "sparse_attn.pattern", "sparse_attn.rules", "sparse_attn.compiler", "sparse_attn.documents",
                                     "sparse_attn.blocks", "sparse_attn.layout", "sparse_attn.api",
                                     "sparse_attn.presets", "sparse_attn.weights", "sparse_attn.viz",
                                     "sparse_attn.bench", "sparse_attn.cli", "sparse_attn.nn", "sparse_attn._host",

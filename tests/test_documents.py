@@ -1,0 +1,168 @@
+"""documents=: packed documents attend as sequences by themselves, in the layout and in every backend."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparse_attn as sa
+from sparse_attn.documents import check_documents, document_spans
+from sparse_attn.rules import Context, resolve
+from tests.test_layout import check_blocks_exact, patterns
+
+
+# --- the definition -----------------------------------------------------------------------------
+def document_mask(pattern, ids, heads=1, causal=False, global_mask=None, key_padding_mask=None):
+    """(B, H, N, N) bool by the definition: each document's own token mask (its pattern resolved for its
+    length and id, its global tokens and padding) placed on the diagonal; nothing else."""
+    ids = np.asarray(ids)
+    batch, n = ids.shape
+    out = torch.zeros(batch, heads, n, n, dtype=torch.bool)
+    spans = document_spans(ids)
+    for b, s, length, doc in zip(*spans):
+        e = s + length
+        i = np.arange(length)[:, None]
+        j = np.arange(length)[None, :]
+        for h in range(heads):
+            m = np.broadcast_to(resolve(pattern, Context(int(length), int(length), h, int(doc))).allows(i, j),
+                                (length, length)).copy()
+            if global_mask is not None:
+                g = np.asarray(global_mask[b, s:e])
+                m |= g[:, None] | g[None, :]
+            if causal:
+                m &= j <= i
+            if key_padding_mask is not None:
+                m &= ~np.asarray(key_padding_mask[b, s:e])[None, :]
+            out[b, h, s:e, s:e] = torch.from_numpy(m)
+    return out
+
+
+def check_documents_layout(pattern, ids, heads=1, block_size=8, **call):
+    layout = pattern.layout(ids.shape[1], heads=heads, block_size=block_size, documents=ids, **call)
+    expected = document_mask(pattern, ids, heads, **call)
+    dense = layout.to_dense()
+    assert torch.equal(dense.expand_as(expected), expected)
+    check_blocks_exact(layout, expected.expand(layout.batch, heads, *expected.shape[2:]))
+    return layout
+
+
+def ids_from(lengths, n=None):
+    return sa.documents_from_lengths(lengths, n).numpy()
+
+
+# --- layout semantics ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern", [sa.Local(3) | sa.Global(first=1), sa.Local(2, 0) | sa.Sink(first=2),
+                                     sa.Global(last=2) & sa.Local(5), sa.Stride(3), sa.Causal(), sa.Dense(),
+                                     sa.Random(1, seed=3, block_size=4) | sa.Local(1)])
+@pytest.mark.parametrize("lengths,n", [
+    ([[1, 1, 1, 5, 1, 9, 3]], None),               # documents of length 1, crossing block boundaries
+    ([[40, 7], [3, 3, 3, 3, 30]], 50),             # longer than the window; padding after the last
+    ([[8, 8, 8], [16, 8]], 27),                    # aligned to the blocks, n not a multiple of the block
+    ([[0], [13]], 13),                             # an all-padding example
+])
+def test_layout_is_each_document_alone_on_the_diagonal(pattern, lengths, n):
+    check_documents_layout(pattern, ids_from(lengths, n), heads=2)
+
+
+def test_padding_between_documents_and_unsorted_ids():
+    ids = np.array([[5, 5, -1, -1, 2, 2, 2, -1, 9], [-1, 0, 0, 0, 0, 0, 0, 7, 7]])
+    for block_size in (1, 2, 4, 64):
+        check_documents_layout(sa.Local(1) | sa.Global(first=1), ids, block_size=block_size)
+
+
+def test_global_first_is_each_documents_first_token():
+    ids = ids_from([[3, 4]])
+    dense = sa.Global(first=1).layout(7, documents=ids).to_dense()[0, 0]
+    assert dense[:, 0].tolist() == [True] * 3 + [False] * 4 and dense[:, 3].tolist() == [False] * 3 + [True] * 4
+    assert dense[0].tolist() == [True] * 3 + [False] * 4
+
+
+def test_documents_with_causal_padding_and_global_mask():
+    gen = torch.Generator().manual_seed(0)
+    ids = ids_from([[5, 12, 1, 9], [30]], n=31)
+    global_mask = torch.rand(2, 31, generator=gen) < 0.15
+    key_padding_mask = torch.rand(2, 31, generator=gen) < 0.15
+    for pattern in (sa.Local(2) | sa.Global(first=1), sa.Random(1, block_size=4), sa.Causal()):
+        check_documents_layout(pattern, ids, heads=2, causal=True, global_mask=global_mask,
+                               key_padding_mask=key_padding_mask)
+        check_documents_layout(pattern, ids, global_mask=global_mask)
+
+
+def test_random_draws_per_document_deterministically():
+    pattern = sa.Random(1, seed=5, block_size=4)
+    ids = ids_from([[16] * 6])
+    dense = pattern.layout(96, block_size=16, documents=ids).to_dense()[0, 0]
+    tiles = [dense[16 * d:16 * d + 16, 16 * d:16 * d + 16] for d in range(6)]
+    assert any(not torch.equal(tiles[0], t) for t in tiles[1:])          # documents draw their own tiles
+    assert torch.equal(tiles[0], pattern.mask(16)[0])                     # document 0 draws as a sequence alone
+    relabelled = np.where(ids == 2, 7, ids)
+    assert torch.equal(sa.Random(1, seed=5, block_size=4).layout(96, block_size=16, documents=relabelled)
+                       .to_dense()[0, 0, 32:48, 32:48], pattern.layout(16, block_size=16, documents=np.full((1, 16), 7))
+                       .to_dense()[0, 0])                                # the id, not the place, seeds the draws
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=patterns, lengths=st.lists(st.lists(st.integers(0, 25), min_size=1, max_size=6), min_size=1,
+                                          max_size=2),
+       extra=st.integers(0, 9), block_size=st.sampled_from([1, 3, 4, 8, 16, 64]), causal=st.booleans())
+def test_layout_matches_definition_for_random_patterns_and_splits(pattern, lengths, extra, block_size, causal):
+    n = max(sum(example) for example in lengths) + extra
+    if n == 0:
+        return
+    check_documents_layout(pattern, ids_from(lengths, n), heads=2, block_size=block_size, causal=causal)
+
+
+def test_layout_cache_keys_documents_by_value():
+    pattern = sa.Local(2) | sa.Global(first=1)
+    ids = ids_from([[5, 7, 4]])
+    first = pattern.layout(16, block_size=4, documents=ids)
+    assert pattern.layout(16, block_size=4, documents=torch.from_numpy(ids.copy())) is first
+    assert pattern.layout(16, block_size=4, documents=ids_from([[5, 7, 3]], 16)) is not first
+    assert pattern.layout(16, block_size=4) is not first
+
+
+# --- errors -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: sa.Local(1).layout(4, documents=np.array([[0, 1, 0, 0]])), ValueError,
+     "document 0 of example 0 reappears at position 2 after another id"),
+    (lambda: sa.Local(1).layout(4, documents=np.array([[0, 0, 0, 0], [1, -1, 1, 1]])), ValueError,
+     "document 1 of example 1 reappears at position 2"),
+    (lambda: sa.Local(1).layout(4, documents=np.zeros((1, 5), dtype=np.int64)), ValueError,
+     r"documents must have shape \(batch, 4\)"),
+    (lambda: sa.Local(1).layout(4, documents=np.zeros(4, dtype=np.int64)), ValueError, "documents must have shape"),
+    (lambda: sa.Local(1).layout(4, documents=np.zeros((1, 4))), TypeError, "documents must be an integer"),
+    (lambda: sa.Local(1).layout(4, documents=torch.zeros(1, 4, dtype=torch.bool)), TypeError,
+     "documents must be an integer"),
+    (lambda: sa.Local(1).layout(4, documents=[[0, 0, 0, 0]]), TypeError, "documents must be an integer"),
+    (lambda: sa.Local(1).layout(4, documents=np.array([[0, 0, -2, 1]])), ValueError,
+     "documents must hold ids >= 0, or -1 for padding; example 0 has -2 at position 2"),
+    (lambda: sa.Local(1).layout(4, 3, documents=np.zeros((1, 4), dtype=np.int64)), ValueError,
+     "documents needs n_q == n_k"),
+    (lambda: sa.Local(1).layout(4, documents=np.zeros((2, 4), dtype=np.int64),
+                                key_padding_mask=np.zeros((1, 4), dtype=bool)), ValueError,
+     r"documents must have shape \(1, 4\)"),
+    (lambda: sa.Local(1).layout(4, documents=torch.zeros(1, 4, dtype=torch.long, device="meta")), ValueError,
+     "documents is a meta tensor"),
+    (lambda: sa.sparse_attention(*[torch.randn(1, 1, 8, 4)] * 3, sa.Local(1).layout(8),
+                                 documents=np.zeros((1, 8), dtype=np.int64)), ValueError,
+     "and so are documents: build it with pattern.layout"),
+    (lambda: sa.sparse_attention(*[torch.randn(2, 1, 8, 4)] * 3, sa.Local(1), documents=np.zeros((1, 8), int)),
+     ValueError, r"documents must have shape \(2, 8\)"),
+    (lambda: sa.documents_from_lengths([[3, 4]], n=5), ValueError, "n=5 is shorter than the longest example"),
+    (lambda: sa.documents_from_lengths([3, 4]), TypeError, r"lengths\[0\] must be a list of document lengths"),
+    (lambda: sa.documents_from_lengths([[3, -1]]), ValueError, r"lengths\[0\]\[1\] must be >= 0"),
+    (lambda: sa.documents_from_lengths([[0]]), ValueError, "the documents hold no token"),
+    (lambda: sa.documents_from_cu_seqlens([0, 3, 2]), ValueError, "cu_seqlens must start at 0 and never decrease"),
+    (lambda: sa.documents_from_cu_seqlens([[0, 3]]), ValueError, "cu_seqlens must be a 1-D"),
+])
+def test_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_helpers():
+    assert sa.documents_from_lengths([[2, 1], [3]]).tolist() == [[0, 0, 1], [0, 0, 0]]
+    assert sa.documents_from_lengths([np.array([2]), torch.tensor([1])], n=3).tolist() == [[0, 0, -1], [0, -1, -1]]
+    assert sa.documents_from_cu_seqlens(torch.tensor([0, 1, 1, 4])).tolist() == [[0, 2, 2, 2]]
+    ids = check_documents(torch.tensor([[3, 3, -1, 0]], dtype=torch.int32))
+    assert ids.dtype == np.int64 and document_spans(ids).start.tolist() == [0, 3]
