@@ -35,6 +35,7 @@ from .rules import Context, Rule, block_table, resolve, with_call_data
 
 _TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
 _INT32_MAX = 2**31 - 1
+_POPCOUNT = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(1)  # set bits of each byte
 
 
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
@@ -173,7 +174,7 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
                                                            document_spans(documents[b:b + 1]), n_q, step, classes)
             tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
             tiles.append(masks)
-    masks, remap = _unique_tiles(np.concatenate(tiles))
+    masks, remap = _unique_tiles(np.concatenate(tiles), min(step, n_k))
     n_kb = ceil_div(n_k, step)
     shape = (batch or 1, n_heads)
     group = np.concatenate([np.full(len(t[0]), g, dtype=np.int64) for g, t in enumerate(tables)])
@@ -210,8 +211,9 @@ def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int
 
 def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, int], offset: int = 0,
                       keep_cut: bool = False):
-    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles, and which blocks
-    are cut (reach past the sequence's start or end).
+    """Blocks of one (example, head): keys, full flags, tile ids of partial blocks, tiles (bits packed along
+    the keys, as ``np.packbits(tile, axis=-1)``), and which blocks are cut (reach past the sequence's start
+    or end).
 
     Partial blocks are grouped by signature (plus how they are cut by the sequence ends); one tile per
     group is evaluated at token level, then tiles that turn out all-allowed promote their blocks to full
@@ -225,9 +227,7 @@ def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, 
     cut = (((rows == 0) & (offset > 0)) * 8 + ((rows == n_qb - 1) & ((ctx.n_q + offset) % bs != 0)) * 4
            + ((cols == 0) & (offset > 0)) * 2 + ((cols == n_kb - 1) & ((ctx.n_k + offset) % bs != 0)))
     part = np.flatnonzero(~full | (keep_cut & (cut > 0)))
-    _, first, group = np.unique(np.column_stack([sig[part], cut[part]]), axis=0, return_index=True,
-                                return_inverse=True)
-    group = group.reshape(-1)
+    first, group = _unique_rows(np.column_stack([sig[part], cut[part]]))
     starts = rows[part][first] * bs - offset, cols[part][first] * bs - offset
     tiles = _tiles(rule, ctx, tile_shape, *starts)
     allowed = tiles.sum((1, 2))
@@ -242,7 +242,7 @@ def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, 
     full[part] = promote[group]
     tile = np.full(len(keys), -1, dtype=np.int64)
     tile[part] = np.where(keep_tile[group], new_id[group], -1)
-    return keys[keep], full[keep], tile[keep], tiles[keep_tile], cut[keep] > 0
+    return keys[keep], full[keep], tile[keep], np.packbits(tiles[keep_tile], axis=-1), cut[keep] > 0
 
 
 def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, spans: Spans, n: int, step: int,
@@ -275,12 +275,11 @@ def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, 
         cut_tiles.append(np.tile(tile[cut], len(members)))
         pool.append(tiles)
         n_pool += len(tiles)
-    pool = np.concatenate(pool) if pool else np.zeros((0, step, step), dtype=bool)
-    merged_keys, merged_full, merged_tile, merged = _merge_parts(np.concatenate(cut_keys or [np.zeros(0, np.int64)]),
-                                                                 np.concatenate(cut_tiles or [np.zeros(0, np.int64)]),
-                                                                 pool, n, step)
-    keys, full, tile = (np.concatenate(column) for column in zip(*out, (merged_keys, merged_full,
-                                                                       np.where(merged_tile >= 0, merged_tile + len(pool), -1))))
+    pool = np.concatenate(pool) if pool else np.zeros((0, step, ceil_div(step, 8)), dtype=np.uint8)
+    no_parts = np.zeros(0, dtype=np.int64)
+    *merged_blocks, merged = _merge_parts(np.concatenate(cut_keys or [no_parts]),
+                                          np.concatenate(cut_tiles or [no_parts]), pool, n, step)
+    keys, full, tile = (np.concatenate(column) for column in zip(*out, merged_blocks))
     pool = np.concatenate([pool, merged])
     order = np.argsort(keys)
     keys, full, tile = keys[order], full[order], tile[order]
@@ -325,27 +324,32 @@ def _document_class(pattern, head, causal, global_row, padding_row, spans: Spans
 
 
 def _merge_parts(keys: np.ndarray, tiles: np.ndarray, pool: np.ndarray, n: int, step: int):
-    """Blocks shared by parts (block key, tile in ``pool``): the OR of each block's part tiles, classified
-    against the block's area. Blocks with the same parts share one merge. Returns keys, full flags, tile
-    ids into the returned merged tiles (-1 for full blocks)."""
+    """Blocks made of parts (block key, packed tile in ``pool``), classified against the block's area: a block
+    of one part is that part's tile; the tile of a block of several parts (a diagonal block where documents
+    meet) is the OR of theirs, merged once for every set of parts. Returns keys, full flags, tile ids
+    (into ``pool`` followed by the merged tiles; -1 for full blocks) and the merged tiles."""
     order = np.lexsort((tiles, keys))
     keys, tiles = keys[order], tiles[order]
     starts = np.flatnonzero(np.append(len(keys) > 0, keys[1:] != keys[:-1]))
     block_keys, sizes = keys[starts], np.diff(np.append(starts, len(keys)))
-    parts = np.full((len(starts), int(sizes.max(initial=1))), -1, dtype=np.int64)       # (blocks, most parts)
-    parts[np.repeat(np.arange(len(starts)), sizes), np.arange(len(keys)) - np.repeat(starts, sizes)] = tiles
-    unique, inverse = np.unique(parts, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if not len(unique):
-        return block_keys, np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), pool[:0]
+    tile = tiles[starts]
+    allowed = _POPCOUNT[pool].sum((1, 2))[tile]
+    several = np.flatnonzero(sizes > 1)
+    entries = np.flatnonzero(np.repeat(sizes > 1, sizes))                # the parts of those blocks, in order
+    parts = np.full((len(several), int(sizes.max(initial=1))), -1, dtype=np.int64)      # (blocks, most parts)
+    parts[np.repeat(np.arange(len(several)), sizes[several]),
+          entries - np.repeat(starts[several], sizes[several])] = tiles[entries]
+    first, inverse = _unique_rows(parts)
+    unique = parts[first]
     valid = unique >= 0                                  # each row: its parts first, then -1 padding
-    first_part = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
-    merged = np.logical_or.reduceat(pool[unique[valid]], first_part, axis=0)            # (unique, tq, tk)
+    first_part = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]]).astype(np.int64)
+    merged = (np.bitwise_or.reduceat(pool[unique[valid]], first_part, axis=0) if len(unique)
+              else pool[:0])                                                            # (merges, tq, tk / 8)
+    tile[several] = len(pool) + inverse
+    allowed[several] = _POPCOUNT[merged].sum((1, 2))[inverse]
     n_kb = ceil_div(n, step)
-    area = block_areas(block_keys // n_kb, block_keys % n_kb, (step, step), (n, n))
-    allowed = merged.sum((1, 2))[inverse]
-    full = allowed == area
-    return block_keys, full, np.where(full, -1, inverse), merged
+    full = allowed == block_areas(block_keys // n_kb, block_keys % n_kb, (step, step), (n, n))
+    return block_keys, full, np.where(full, -1, tile), merged
 
 
 def _tiles(rule: Rule, ctx: Context, tile_shape: tuple[int, int], i0: np.ndarray, j0: np.ndarray) -> np.ndarray:
@@ -365,10 +369,17 @@ def _tiles(rule: Rule, ctx: Context, tile_shape: tuple[int, int], i0: np.ndarray
     return out.reshape(len(i0), tq, tk)
 
 
-def _unique_tiles(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Deduplicate tiles across examples and heads: (unique tiles, old index -> new index)."""
-    if len(tiles) == 0:
-        return tiles, np.zeros(0, dtype=np.int64)
-    packed = np.packbits(tiles.reshape(len(tiles), -1), axis=1)
-    _, first, inverse = np.unique(packed, axis=0, return_index=True, return_inverse=True)
-    return tiles[first], inverse.reshape(-1)
+def _unique_tiles(packed: np.ndarray, tk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deduplicate packed tiles (n, tq, ceil(tk / 8)) across examples and heads: (unique tiles as bool
+    (m, tq, tk), old index -> new index)."""
+    first, inverse = _unique_rows(packed.reshape(len(packed), packed[0].size if len(packed) else 0))
+    return np.unpackbits(packed[first], axis=-1, count=tk).astype(bool), inverse
+
+
+def _unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of a 2-D array: (index of each one's first occurrence, row -> its distinct row's number).
+    Rows are compared as raw bytes (one sort of byte strings, much faster than ``np.unique(axis=0)``)."""
+    matrix = np.ascontiguousarray(matrix)
+    rows = matrix.view(np.dtype((np.void, matrix.dtype.itemsize * matrix.shape[1]))).reshape(-1)
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)

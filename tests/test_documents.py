@@ -1,4 +1,6 @@
 """documents=: packed documents attend as sequences by themselves, in the layout and in every backend."""
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import sparse_attn as sa
 from sparse_attn.documents import check_documents, document_spans
 from sparse_attn.rules import Context, resolve
 from tests.test_layout import check_blocks_exact, patterns
+from tests.tolerance import assert_within_rule
 
 
 # --- the definition -----------------------------------------------------------------------------
@@ -166,3 +169,110 @@ def test_helpers():
     assert sa.documents_from_cu_seqlens(torch.tensor([0, 1, 1, 4])).tolist() == [[0, 2, 2, 2]]
     ids = check_documents(torch.tensor([[3, 3, -1, 0]], dtype=torch.int32))
     assert ids.dtype == np.int64 and document_spans(ids).start.tolist() == [0, 3]
+
+
+# --- backends -----------------------------------------------------------------------------------
+BACKENDS = ["numba", pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason='needs triton (its interpreter without a GPU): pip install ".[triton]"'))]
+PACKED = {  # name: (document lengths per example, n, pattern, call-time data)
+    "awkward": ([[1, 17, 1, 6, 14], [0], [16, 16, 3]], 41, sa.Local(4) | sa.Global(first=1), {}),
+    "causal-padding-globals": ([[9, 20, 1, 11], [40]], 41, sa.Local(6) | sa.Sink(first=1),
+                               {"causal": True, "key_padding_mask": 0.15, "global_mask": 0.1}),
+    "random-per-document": ([[30, 3, 8], [12, 29]], 41, sa.Random(1, seed=2, block_size=8) | sa.Local(2), {}),
+}
+
+
+def packed_case(name, heads=2, kv_heads=1, dim=16, dtype=torch.float64):
+    lengths, n, pattern, call = PACKED[name]
+    gen = torch.Generator().manual_seed(0)
+    batch = len(lengths)
+    call = {key: torch.rand(batch, n, generator=gen) < value if key.endswith("mask") else value
+            for key, value in call.items()}
+    q = torch.randn(batch, heads, n, dim, generator=gen, dtype=torch.float64)          # (B, H, N, D)
+    k, v = (torch.randn(batch, kv_heads, n, dim, generator=gen, dtype=torch.float64) for _ in "kv")
+    ids = sa.documents_from_lengths(lengths, n)
+    layout = pattern.layout(n, heads=heads, block_size=16, documents=ids, **call)
+    return [t.to(dtype) for t in (q, k, v)], ids, pattern, call, layout
+
+
+def run_backend(backend, q, k, v, layout, grad_out):
+    """out, lse, dq, dk, dv of one backend on copies of q, k, v."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = sa.sparse_attention(q, k, v, layout, backend=backend, return_lse=True)
+    (out.double() * grad_out).sum().backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def dense_baseline(q, k, v, layout, grad_out):
+    """The same attention as dense torch in q's dtype (the tolerance rule's baseline)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = ((q @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5).masked_fill(~layout.to_dense(), float("-inf"))
+    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
+    (out.double() * grad_out).sum().backward()
+    return out, scores.detach().logsumexp(-1), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(PACKED))
+def test_backend_matches_float64_reference(backend, name):
+    (q, k, v), ids, _, _, layout = packed_case(name, dtype=torch.float32)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = run_backend(backend, q, k, v, layout, grad_out)
+    oracle = run_backend("reference", q.double(), k.double(), v.double(), layout, grad_out)
+    baseline = dense_baseline(q, k, v, layout, grad_out)
+    for what, got, ref, base in zip(("out", "lse", "dq", "dk", "dv"), results, oracle, baseline):
+        if what == "lse":
+            assert torch.equal(torch.isinf(got), torch.isinf(ref)), "lse: -inf rows differ"
+            finite = torch.isfinite(ref)
+            got, ref, base = got[finite], ref[finite], base[finite]
+        assert_within_rule(what, got, ref, base)
+    padding = torch.as_tensor(ids == -1)                                          # (B, N)
+    out, lse, dq, dk, dv = results
+    assert (out[padding[:, None].expand_as(out[..., 0])] == 0).all()
+    assert torch.isneginf(lse.masked_select(padding[:, None])).all()
+    assert (dq.permute(0, 2, 1, 3)[padding] == 0).all() and (dk.permute(0, 2, 1, 3)[padding] == 0).all()
+    assert (dv.permute(0, 2, 1, 3)[padding] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_each_document_gives_what_it_gives_alone(backend):
+    """A packed batch through sparse_attention(documents=...) == every document run by itself (ids 0, so
+    Random draws as alone), outputs and gradients; padding rows output 0."""
+    lengths, n, pattern = [[1, 37, 9, 70], [64, 17, 30]], 120, sa.Local(5) | sa.Global(first=1) | sa.Random(1, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen, dtype=torch.float64).requires_grad_() for _ in "qkv")
+    ids = sa.documents_from_lengths(lengths, n)
+    out = sa.sparse_attention(q, k, v, pattern, documents=ids, backend=backend)
+    out.square().sum().backward()
+    spans = document_spans(ids.numpy())
+    for b, s, length, doc in zip(*spans):
+        e = s + length
+        parts = [t[b:b + 1, :, s:e].detach().clone().requires_grad_() for t in (q, k, v)]
+        alone = sa.sparse_attention(*parts, sa.Local(5) | sa.Global(first=1) | sa.Random(1, seed=4),
+                                    documents=torch.full((1, length), doc), backend=backend)
+        alone.square().sum().backward()
+        torch.testing.assert_close(out[b:b + 1, :, s:e], alone, rtol=1e-9, atol=1e-9)
+        for packed, part in zip((q, k, v), parts):
+            torch.testing.assert_close(packed.grad[b:b + 1, :, s:e], part.grad, rtol=1e-9, atol=1e-9)
+    assert (out[1, :, 111:] == 0).all() and (q.grad[1, :, 111:] == 0).all() and (k.grad[1, :, 111:] == 0).all()
+
+
+def test_weights_and_layer_take_documents():
+    ids = sa.documents_from_lengths([[5, 9], [14]], 15)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 2, 15, 8, generator=gen) for _ in "qk")
+    weights = sa.attention_weights(q, k, sa.Local(2) | sa.Global(first=1), documents=ids)
+    expected = document_mask(sa.Local(2) | sa.Global(first=1), ids.numpy())
+    for b in range(2):
+        assert torch.equal(torch.from_numpy(weights[b][1].toarray() != 0), expected[b, 0])
+    layer = sa.nn.SparseSelfAttention(16, 2, sa.Local(2), global_projections=True, backend="reference").double()
+    x = torch.randn(2, 15, 16, generator=gen, dtype=torch.float64)
+    global_mask = torch.zeros(2, 15, dtype=torch.bool)
+    global_mask[0, [0, 5]] = global_mask[1, 3] = True
+    packed = layer(x, global_mask=global_mask, documents=ids)
+    for b, s, length, _ in zip(*document_spans(ids.numpy())):
+        alone = layer(x[b:b + 1, s:s + length], global_mask=global_mask[b:b + 1, s:s + length])
+        torch.testing.assert_close(packed[b:b + 1, s:s + length], alone)
+    torch.testing.assert_close(packed[0, 14], layer.out_proj.bias)               # padding: the output bias
