@@ -138,6 +138,22 @@ def test_numba_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+def test_numba_ops_opcheck_and_gradcheck():
+    """The custom ops' fake (shape) implementations and autograd agree with the kernels on batch-1 k, v."""
+    from sparse_attn.backends import numba_cpu
+
+    (q, k, v), layout = make_case("mqa")
+    rest = (*layout.index, layout.block_size, 0.25)
+    torch.library.opcheck(numba_cpu.numba_attention, (q, k, v, *rest))
+    out, lse, stats, argmax = numba_cpu.numba_attention(q, k, v, *rest)
+    torch.library.opcheck(numba_cpu.numba_attention_backward,
+                          (torch.randn_like(out), q, k, v, out, lse, stats, argmax, torch.randn_like(lse), *rest))
+    small = [t[..., :20, :4].clone().requires_grad_() for t in (q[:, :2], k[:, :1], v[:, :1])]
+    small_layout = sa.Local(5).layout(20, heads=2, block_size=16, causal=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: sparse_attention(q, k, v, small_layout, backend="numba",
+                                                                     return_lse=True), small)
+
+
 def test_meta_tensors_give_shapes():
     q = torch.empty(3, 4, 20, 8, device="meta", requires_grad=True)
     k, v = (torch.empty(1, 2, 30, 8, device="meta", requires_grad=True) for _ in range(2))
