@@ -16,8 +16,8 @@ from sparse_attn import backends
 transformers = pytest.importorskip("transformers", minversion="4.54",
                                    reason='needs transformers >= 4.54: pip install ".[hf]"')
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
-                          BartConfig, BertConfig, BigBirdConfig, Gemma2Config, LlamaConfig, LongformerConfig,
-                          MistralConfig, RobertaConfig, T5Config, T5EncoderModel)
+                          BartConfig, BertConfig, BigBirdConfig, DataCollatorWithFlattening, Gemma2Config,
+                          LlamaConfig, LongformerConfig, MistralConfig, RobertaConfig, T5Config, T5EncoderModel)
 
 from sparse_attn.integrations.transformers import register, to_long_model  # noqa: E402
 
@@ -317,3 +317,113 @@ def test_errors():
 def test_sparse_attn_nn_does_not_import_transformers():
     code = "import sys, sparse_attn.nn; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=sa.__path__[0] + "/..")
+
+
+# Packed batches: several documents in one row, as DataCollatorWithFlattening makes them.
+DOCUMENT_LENGTHS = (9, 1, 14, 5)  # a one-token document, documents longer than Local(3)'s window
+
+
+def _documents(lengths=DOCUMENT_LENGTHS):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def _packed(documents, **collator_options):
+    """DataCollatorWithFlattening's batch of ``documents``, without labels: (1, total) tensors."""
+    batch = DataCollatorWithFlattening(**collator_options)([{"input_ids": d.tolist()} for d in documents])
+    batch.pop("labels")
+    return batch
+
+
+def _per_document(packed_output, documents):
+    return torch.split(packed_output[0], [len(d) for d in documents])
+
+
+def _assert_packed_equals_separate(model, output, documents, **collator_options):
+    """Every document's slice of the packed forward equals the document run by itself."""
+    packed = _per_document(getattr(model(**_packed(documents, **collator_options)), output), documents)
+    for document, out in zip(documents, packed):
+        torch.testing.assert_close(out, getattr(model(input_ids=document[None]), output)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("collator_options", [
+    {},                                                          # position_ids restarting at 0
+    {"return_flash_attn_kwargs": True},                          # cu_seq_lens_q/k and position_ids
+    {"return_flash_attn_kwargs": True, "return_position_ids": False},  # cu_seq_lens_q/k only
+])
+def test_packed_batch_equals_documents_one_by_one_decoder(collator_options):
+    """Llama (causal, rotary positions): the pattern runs per document, Global(first=1) at each one's start."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    documents = _documents()
+    _assert_packed_equals_separate(model, "logits", documents, **collator_options)
+    # Without the packing information the row is one sequence: later documents see earlier ones.
+    ids = torch.cat(documents)[None]
+    as_one = _per_document(model(input_ids=ids).logits, documents)
+    assert not torch.allclose(as_one[2], model(input_ids=documents[2][None]).logits[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind, start", [("bert", 0), ("roberta", 2)])
+def test_packed_batch_equals_documents_one_by_one_encoder(kind, start):
+    """BERT and RoBERTa (absolute positions: RoBERTa's start after padding_idx, position_ids_start=2)."""
+    torch.manual_seed(0)
+    model = AutoModel.from_config(_config(kind), attn_implementation=LOCAL).eval()
+    documents = _documents()
+    _assert_packed_equals_separate(model, "last_hidden_state", documents, position_ids_start=start)
+    _assert_packed_equals_separate(model, "last_hidden_state", documents, position_ids_start=start,
+                                   return_flash_attn_kwargs=True)
+
+
+def test_padded_rows_of_packed_documents():
+    """Two packed rows with right padding (attention_mask): documents from the position_ids of real tokens."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    rows = [_documents((5, 7)), _documents((10, 6))]
+    n = 16
+    ids = torch.zeros(2, n, dtype=torch.long)
+    positions = torch.zeros(2, n, dtype=torch.long)
+    mask = torch.zeros(2, n, dtype=torch.long)
+    for b, documents in enumerate(rows):
+        total = sum(len(d) for d in documents)
+        ids[b, :total] = torch.cat(documents)
+        positions[b, :total] = torch.cat([torch.arange(len(d)) for d in documents])
+        mask[b, :total] = 1
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    for b, documents in enumerate(rows):
+        for document, out in zip(documents, torch.split(logits[b, :sum(len(d) for d in documents)],
+                                                        [len(d) for d in documents])):
+            torch.testing.assert_close(out, model(input_ids=document[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_batches_with_a_kv_cache_are_refused_at_the_cached_step():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    documents = _documents((6, 4))
+    cache = model(**_packed(documents), use_cache=True).past_key_values   # the packed forward itself runs
+    with pytest.raises(ValueError, match=r"LlamaAttention's KV cache was filled by a packed batch .* \(10 cached "
+                                         r"keys, 1 new queries\); .* pass use_cache=False"):
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[4]]), past_key_values=cache)
+    prompt = torch.cat(documents)[None, :7]
+    cache = model(input_ids=prompt, use_cache=True).past_key_values      # a new prefill: one sequence
+    with pytest.raises(ValueError, match=r"position_ids restart within a cached step \(7 cached keys, 3 new"):
+        model(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[7, 0, 1]]), past_key_values=cache)
+    flash = _packed(documents, return_flash_attn_kwargs=True)
+    cache = model(input_ids=flash["input_ids"][:, :4], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q/k \(packed sequences\) with 4 cached keys"):
+        model(**flash, past_key_values=cache)
+    cache = model(input_ids=prompt, use_cache=True).past_key_values
+    step = model(input_ids=torch.tensor([[5]]), past_key_values=cache).logits   # not packed: decodes
+    torch.testing.assert_close(step[0, -1], model(input_ids=torch.cat([prompt, torch.tensor([[5]])], 1)).logits[0, -1],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_packing_information_that_cannot_be_honoured_is_refused():
+    torch.manual_seed(0)
+    model = AutoModel.from_config(_config("bert"), attn_implementation=LOCAL).eval()
+    ids = torch.randint(3, VOCAB, (2, 8))
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q/k must describe one packed row of 8 tokens \(batch 1, "
+                                         r"offsets up to 8\), as DataCollatorWithFlattening produces, got batch 2"):
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
+    with pytest.raises(ValueError, match="packed sequences need cu_seq_lens_q == cu_seq_lens_k"):
+        model(input_ids=ids[:1], cu_seq_lens_q=offsets, cu_seq_lens_k=torch.tensor([0, 8], dtype=torch.int32))

@@ -15,8 +15,15 @@ Which pattern a model uses: ``model.config.sparse_attn_pattern`` (a ``Pattern.to
 with the config by ``save_pretrained``) when set, else the pattern given to ``register`` for the
 model's ``attn_implementation`` name (default ``Local(256) | Global(first=1)``, Longformer's
 ``attention_window=512`` with a global first token). Register several names to bind several
-patterns. Only the padding mask and causality come from the model: the model's own mask function
-(sliding windows, packed sequences, prefix-LM) is replaced by the pattern.
+patterns. Only the padding mask, causality and packed documents come from the model: the model's own
+mask function (sliding windows, prefix-LM) is replaced by the pattern.
+
+Packed batches (``DataCollatorWithFlattening``: one row whose ``position_ids`` restart at each
+document, and with ``return_flash_attn_kwargs=True`` its ``cu_seq_lens_q/k``) run every document as a
+sequence by itself (sparse_attention's ``documents=``, from :func:`packed_documents`): the pattern
+applies per document, ``Global(first=1)`` is each document's first token, nothing crosses documents.
+Decoders (Llama, ...) and encoders (BERT, RoBERTa, ...) hand the attention the ``position_ids`` they
+are called with. Packed batches with a KV cache are refused at the cached step.
 
 Models that sparse_attn cannot run are refused when they are built with a registered name: models
 whose layers compute attention themselves instead of calling transformers' ``AttentionInterface``
@@ -31,6 +38,7 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 
 import torch
 from einops import rearrange
@@ -42,10 +50,14 @@ from .. import backends
 from ..api import sparse_attention
 from ..blocks import ceil_div
 from ..checks import check_int
+from ..documents import documents_from_cu_seqlens
 from ..pattern import Global, Local, Pattern, check_pattern
 
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 _REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
+_PACKED_PREFILLS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # attention layers whose cache holds a packed batch
+_NO_PACKED_CACHE = ("sparse_attn runs packed sequences (several documents in one row) without a KV cache only: pass "
+                    "use_cache=False with packed batches, and generate from a padded batch (one document per row)")
 # Arguments transformers hands attention functions that change the scores; sparse_attn computes plain softmax.
 _SCORE_CHANGES = {"position_bias": "adds a position bias to the attention scores",     # T5, ALiBi models
                   "softcap": "soft-caps the attention scores",                     # Gemma 2
@@ -94,9 +106,12 @@ def _attention_function(name: str):
             # A static cache hands over all its slots; only the first n_written hold keys.
             n_written = key_padding_mask.shape[1]
             key, value = key[:, :, :n_written], value[:, :, :n_written]                 # (B, Hkv, Nk, D)
+        documents = packed_documents(query.shape[0], query.shape[2], key.shape[2], key_padding_mask,
+                                     **kwargs)                                         # (B, N) or None
+        _check_cache_of_packed_batch(module, query.shape[2], key.shape[2], documents, kwargs.get("use_cache"))
         # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
         out = sparse_attention(query, key, value, pattern, causal=causal, key_padding_mask=key_padding_mask,
-                               scale=scaling, backend=backend)                             # (B, Hq, Nq, D)
+                               documents=documents, scale=scaling, backend=backend)       # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return rearrange(out, "b h n d -> b n h d").contiguous(), None
@@ -111,6 +126,72 @@ def _check_scores_unchanged(module: nn.Module, kwargs: dict) -> None:
             raise ValueError(f"{type(module).__name__} {what} (it passes {argument}= to the attention function), "
                              f"which sparse_attn does not compute: the result would silently differ from the "
                              f"model's; use attn_implementation='sdpa' or 'eager' for this model")
+
+
+def packed_documents(batch: int, n_q: int, n_k: int, key_padding_mask: torch.Tensor | None = None, *,
+                     position_ids: torch.Tensor | None = None, cu_seq_lens_q=None, cu_seq_lens_k=None,
+                     **kwargs) -> torch.Tensor | None:
+    """The documents (B, N) of a packed batch, from what a model hands its attention function; None if not packed.
+
+    >>> packed_documents(1, 5, 5, position_ids=torch.tensor([[0, 1, 2, 0, 1]]))     # batch, n_q, n_k
+    tensor([[0, 0, 0, 1, 1]])
+    >>> packed_documents(1, 5, 5, cu_seq_lens_q=torch.tensor([0, 3, 5]), cu_seq_lens_k=torch.tensor([0, 3, 5]))
+    tensor([[0, 0, 0, 1, 1]])
+    >>> packed_documents(1, 3, 3, position_ids=torch.tensor([[7, 8, 9]])) is None      # one sequence
+    True
+
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
+    describe one packed row (batch 1); otherwise a document starts wherever ``position_ids`` (B, N) do not
+    continue the previous token's position by 1 (transformers' own rule for packed sequences), among
+    real tokens: padding (``key_padding_mask``, True = padding) gets -1 and the positions a generate()
+    call gives padding do not split a sequence. Any start value works (RoBERTa-style positions from 2).
+    Packing within a cached step (``n_q < n_k``) is refused: the cache's documents are unknown.
+    """
+    if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
+        return _documents_of_cu_seq_lens(batch, n_q, n_k, cu_seq_lens_q, cu_seq_lens_k)
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != n_q:
+        return None  # no positions, or a layout that is not (B, N) token positions (multimodal rotary sections)
+    positions = position_ids.expand(batch, n_q)                                          # (B, Nq)
+    real = torch.ones_like(positions, dtype=torch.bool) if key_padding_mask is None else \
+        ~key_padding_mask[:, -n_q:]                                                      # (B, Nq), True = token
+    jump = positions[:, 1:] != positions[:, :-1] + 1                                     # (B, Nq - 1)
+    restart = real[:, 1:] & real[:, :-1] & jump                                          # a new document
+    if not restart.any():
+        return None
+    if n_q < n_k:
+        raise ValueError(f"position_ids restart within a cached step ({n_k - n_q} cached keys, {n_q} new queries); "
+                         f"{_NO_PACKED_CACHE}")
+    starts = torch.cat([real[:, :1], real[:, 1:] & (jump | ~real[:, :-1])], dim=1)      # (B, N) first tokens
+    return (starts.long().cumsum(1) - 1).masked_fill(~real, -1)                         # (B, N), -1 = padding
+
+
+def _documents_of_cu_seq_lens(batch: int, n_q: int, n_k: int, cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
+    offsets = cu_seq_lens_k if cu_seq_lens_q is None else cu_seq_lens_q
+    if cu_seq_lens_q is None or cu_seq_lens_k is None or not torch.equal(torch.as_tensor(cu_seq_lens_q).cpu(),
+                                                                          torch.as_tensor(cu_seq_lens_k).cpu()):
+        raise ValueError(f"packed sequences need cu_seq_lens_q == cu_seq_lens_k (each document attends to "
+                         f"itself), got cu_seq_lens_q={cu_seq_lens_q} and cu_seq_lens_k={cu_seq_lens_k}; "
+                         f"sparse_attn runs self-attention over packed documents only")
+    if n_q != n_k:
+        raise ValueError(f"cu_seq_lens_q/k (packed sequences) with {n_k - n_q} cached keys; {_NO_PACKED_CACHE}")
+    offsets = torch.as_tensor(offsets).cpu()
+    if batch != 1 or offsets.dim() != 1 or int(offsets[-1]) > n_k:
+        raise ValueError(f"cu_seq_lens_q/k must describe one packed row of {n_k} tokens (batch 1, offsets up to "
+                         f"{n_k}), as DataCollatorWithFlattening produces, got batch {batch} and offsets "
+                         f"{offsets.tolist()}; pack each batch into one row, or pass position_ids that restart "
+                         f"at each document instead")
+    return documents_from_cu_seqlens(offsets, n=n_k)                                    # (1, N)
+
+
+def _check_cache_of_packed_batch(module: nn.Module, n_q: int, n_k: int, documents, use_cache) -> None:
+    """Refuse a cached step (n_q < n_k) after a packed forward filled this layer's cache (its documents are lost)."""
+    if n_q < n_k and module in _PACKED_PREFILLS:
+        raise ValueError(f"{type(module).__name__}'s KV cache was filled by a packed batch, whose documents a cached "
+                         f"step cannot tell apart ({n_k - n_q} cached keys, {n_q} new queries); {_NO_PACKED_CACHE}")
+    if n_q == n_k and documents is not None and use_cache is not False:
+        _PACKED_PREFILLS.add(module)
+    elif n_q == n_k:
+        _PACKED_PREFILLS.discard(module)
 
 
 def model_pattern(config, default: Pattern) -> Pattern:
