@@ -400,7 +400,7 @@ def test_packed_batches_with_a_kv_cache_are_refused_at_the_cached_step():
     model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
     documents = _documents((6, 4))
     cache = model(**_packed(documents), use_cache=True).past_key_values   # the packed forward itself runs
-    with pytest.raises(ValueError, match=r"LlamaAttention's KV cache was filled by a packed batch .* \(10 cached "
+    with pytest.raises(ValueError, match=r"LlamaAttention's KV cache was filled by a packed batch, .* \(10 cached "
                                          r"keys, 1 new queries\); .* pass use_cache=False"):
         model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[4]]), past_key_values=cache)
     prompt = torch.cat(documents)[None, :7]
