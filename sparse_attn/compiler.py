@@ -57,10 +57,11 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
                                                              documents=documents))
     global_mask, key_padding_mask = _mask_values("global_mask", global_mask), _mask_values("key_padding_mask",
                                                                                             key_padding_mask)
+    documents = _Documents.of(documents)
     if not cache:
         return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
     return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
-                          _Mask.of(key_padding_mask), _Documents.of(documents))
+                          _Mask.of(key_padding_mask), documents)
 
 
 def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: int | None = None,
@@ -124,43 +125,41 @@ class _Mask(NamedTuple):
 
 
 class _Documents(NamedTuple):
-    """Documents as a hashable value for the layout cache: the shape and each run's (start, id)."""
+    """Checked documents as a hashable value, for the layout cache and the compiler: the batch and the
+    spans (``sparse_attn.documents.Spans``: example, start, length and id of every document) as bytes."""
 
-    shape: tuple[int, int]
-    runs: bytes
+    batch: int
+    spans: bytes
 
     @staticmethod
     def of(ids: np.ndarray | None) -> _Documents | None:
-        if ids is None:
-            return None
-        change = np.ones(ids.shape, dtype=bool)
-        change[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        example, start = np.nonzero(change)
-        return _Documents(ids.shape, np.stack([example, start, ids[example, start]]).astype(np.int64).tobytes())
+        return None if ids is None else _Documents(ids.shape[0], np.stack(document_spans(ids)).tobytes())
 
-    def array(self) -> np.ndarray:
-        example, start, run_id = np.frombuffer(self.runs, np.int64).reshape(3, -1)
-        lengths = np.diff(np.append(example * self.shape[1] + start, self.shape[0] * self.shape[1]))
-        return np.repeat(run_id, lengths).reshape(self.shape)
+    def example(self, b: int) -> Spans:
+        """The documents of example ``b``."""
+        spans = np.frombuffer(self.spans, np.int64).reshape(len(Spans._fields), -1)
+        return Spans(*spans[:, spans[0] == b])
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
                    key_padding_mask: _Mask | None, documents: _Documents | None) -> BlockLayout:
     return _compile(pattern, n_q, n_k, heads, block_size, causal,
-                    *(None if m is None else m.array() for m in (global_mask, key_padding_mask, documents)))
+                    *(None if m is None else m.array() for m in (global_mask, key_padding_mask)), documents)
 
 
-def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents) -> BlockLayout:
-    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None, the documents an
-    int64 array (batch, n) or None."""
+def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask,
+             documents: _Documents | None) -> BlockLayout:
+    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None."""
     # a block_size beyond both lengths means one block a side, as a block of max(n_q, n_k) does: compile
     # with that, so no cost and no intermediate depends on how large block_size is
     step = min(block_size, max(n_q, n_k))
-    batch = next((m.shape[0] for m in (global_mask, key_padding_mask, documents) if m is not None), None)
+    batch = next((m.shape[0] for m in (global_mask, key_padding_mask) if m is not None),
+                 None if documents is None else documents.batch)
     n_heads = heads if pattern.head_dependent else 1
-    tables, tiles, classes = [], [], {}
+    tables, tiles, classes = [], [], {}                 # classes: the document classes classified so far
     for b in range(batch or 1):
+        spans = None if documents is None else documents.example(b)
         for h in range(n_heads):
             positions = None if global_mask is None else global_mask[b]
             padding = None if key_padding_mask is None else key_padding_mask[b]
@@ -170,8 +169,8 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
                 rule = with_call_data(resolve(pattern, ctx), positions, causal, padding)
                 keys, full, tile, masks, _ = _blocks_and_tiles(rule, ctx, step, (min(step, n_q), min(step, n_k)))
             else:
-                keys, full, tile, masks = _document_blocks(pattern, h, causal, positions, padding,
-                                                           document_spans(documents[b:b + 1]), n_q, step, classes)
+                keys, full, tile, masks = _document_blocks(pattern, h, causal, positions, padding, spans, n_q, step,
+                                                           classes)
             tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
             tiles.append(masks)
     masks, remap = _unique_tiles(np.concatenate(tiles), min(step, n_k))
@@ -263,8 +262,7 @@ def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, 
     n_pool = 0
     for key, members in _document_classes(spans, step, pattern.head_dependent, global_row, padding_row):
         if (head, key) not in classes:
-            classes[head, key] = _document_class(pattern, head, causal, global_row, padding_row, spans, members[0],
-                                                 step)
+            classes[head, key] = _document_class(pattern, head, causal, key, step)
         keys, full, tile, tiles, cut = classes[head, key]
         per_side = ceil_div(key[0] + key[1], step)
         first = spans.start[members] // step                                      # (m,) first block of each
@@ -289,9 +287,9 @@ def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, 
 
 def _document_classes(spans: Spans, step: int, per_document: bool, global_row, padding_row):
     """Classes of documents resolving to the same blocks: ``(key, member indices)``, the key being (length,
-    offset in the first block, id, global positions, padding) with the last three None where they play no
-    part. Documents with their own global tokens or padding, and every document of a pattern that
-    draws per document, form classes of their own (by value)."""
+    offset in the first block, id, global positions, padded positions) with the last three None where they
+    play no part (positions within the document, as int64 bytes). Documents with their own global tokens
+    or padding, and every document of a pattern that draws per document, form classes by those values."""
     length, offset = spans.length, spans.start % step
     own = np.full(len(length), per_document)
     for row in (global_row, padding_row):
@@ -306,21 +304,25 @@ def _document_classes(spans: Spans, step: int, per_document: bool, global_row, p
     for d in np.flatnonzero(own):
         s, e = spans.start[d], spans.start[d] + length[d]
         key = (int(length[d]), int(offset[d]), int(spans.id[d]) if per_document else None,
-               *(None if row is None or not row[s:e].any() else np.flatnonzero(row[s:e]).tobytes()
+               *(None if row is None or not row[s:e].any() else np.flatnonzero(row[s:e]).astype(np.int64).tobytes()
                  for row in (global_row, padding_row)))
         classes.setdefault(key, []).append(d)
     return [(key, np.asarray(members, dtype=np.int64)) for key, members in classes.items()]
 
 
-def _document_class(pattern, head, causal, global_row, padding_row, spans: Spans, d: int, step: int):
-    """``_blocks_and_tiles`` of document ``d`` alone, in the grid of its offset, cut blocks kept as tiles."""
-    s, length = int(spans.start[d]), int(spans.length[d])
-    ctx = Context(length, length, head, int(spans.id[d]))
-    positions = None if global_row is None else np.flatnonzero(global_row[s:s + length]).astype(np.int64)
-    padding = None if padding_row is None or not padding_row[s:s + length].any() else padding_row[s:s + length]
-    rule = with_call_data(resolve(pattern, ctx), positions if positions is not None and positions.size else None,
-                          causal, padding)
-    return _blocks_and_tiles(rule, ctx, step, (step, step), s % step, keep_cut=True)
+def _document_class(pattern, head: int, causal: bool, key: tuple, step: int):
+    """``_blocks_and_tiles`` of a class's document alone (``key`` from ``_document_classes``), in the grid of
+    its offset, cut blocks kept as tiles."""
+    length, offset, document, global_positions, padded = key
+    ctx = Context(length, length, head, document or 0)
+    if global_positions is not None:
+        global_positions = np.frombuffer(global_positions, np.int64)
+    padding = None
+    if padded is not None:
+        padding = np.zeros(length, dtype=bool)
+        padding[np.frombuffer(padded, np.int64)] = True
+    rule = with_call_data(resolve(pattern, ctx), global_positions, causal, padding)
+    return _blocks_and_tiles(rule, ctx, step, (step, step), offset, keep_cut=True)
 
 
 def _merge_parts(keys: np.ndarray, tiles: np.ndarray, pool: np.ndarray, n: int, step: int):

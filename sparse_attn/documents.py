@@ -45,7 +45,7 @@ def check_documents(documents, batch: int | None = None, n: int | None = None) -
     >>> check_documents(np.array([[0, 0, 1, 0]]))
     Traceback (most recent call last):
     ...
-    ValueError: documents: document 0 of example 0 reappears at position 3 after another id; each document must be one contiguous run of tokens (give each run its own id, e.g. with documents_from_lengths)
+    ValueError: documents: document 0 of example 0 reappears at position 3 after another id; each document ...
     """
     dtype = getattr(documents, "dtype", None)
     integer = (isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex

@@ -551,7 +551,8 @@ def with_call_data(rule: Rule, global_positions: np.ndarray | None = None, causa
 _DENSE_CHUNK = 1 << 22  # blocks classified at once when a rule has no cheap candidate list
 
 
-def block_table(rule: Rule, ctx: Context, block_size: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_table(rule: Rule, ctx: Context, block_size: int,
+                offset: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Nonempty blocks of a rule: sorted keys ``r * n_kb + c``, full flags, signatures (n, k).
 
     Work and memory are proportional to the candidate blocks: the rule's own candidate list, or

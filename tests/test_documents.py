@@ -173,7 +173,8 @@ def test_helpers():
 
 # --- backends -----------------------------------------------------------------------------------
 BACKENDS = ["numba", pytest.param("triton", marks=pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason='needs triton (its interpreter without a GPU): pip install ".[triton]"'))]
+    importlib.util.find_spec("triton") is None,
+    reason='needs triton (its interpreter without a GPU): pip install ".[triton]"'))]
 PACKED = {  # name: (document lengths per example, n, pattern, call-time data)
     "awkward": ([[1, 17, 1, 6, 14], [0], [16, 16, 3]], 41, sa.Local(4) | sa.Global(first=1), {}),
     "causal-padding-globals": ([[9, 20, 1, 11], [40]], 41, sa.Local(6) | sa.Sink(first=1),
