@@ -321,7 +321,12 @@ def _document_class(pattern, head: int, causal: bool, key: tuple, step: int):
     if padded is not None:
         padding = np.zeros(length, dtype=bool)
         padding[np.frombuffer(padded, np.int64)] = True
-    rule = with_call_data(resolve(pattern, ctx), global_positions, causal, padding)
+    try:
+        resolved = resolve(pattern, ctx)
+    except ValueError as error:  # a spec that fits only some lengths (a Blocks grid): say which document
+        raise ValueError(f"with documents, the pattern is resolved for each document by itself, and a document "
+                         f"of {length} tokens fails: {error}") from error
+    rule = with_call_data(resolved, global_positions, causal, padding)
     return _blocks_and_tiles(rule, ctx, step, (step, step), offset, keep_cut=True)
 
 

@@ -151,6 +151,8 @@ def test_layout_cache_keys_documents_by_value():
      "and so are documents: build it with pattern.layout"),
     (lambda: sa.sparse_attention(*[torch.randn(2, 1, 8, 4)] * 3, sa.Local(1), documents=np.zeros((1, 8), int)),
      ValueError, r"documents must have shape \(2, 8\)"),
+    (lambda: sa.Blocks(np.eye(2, dtype=bool), 4).layout(12, block_size=4, documents=np.array([[0] * 8 + [1] * 4])),
+     ValueError, "the pattern is resolved for each document by itself, and a document of 4 tokens fails: Blocks grid"),
     (lambda: sa.documents_from_lengths([[3, 4]], n=5), ValueError, "n=5 is shorter than the longest example"),
     (lambda: sa.documents_from_lengths([3, 4]), TypeError, r"lengths\[0\] must be a list of document lengths"),
     (lambda: sa.documents_from_lengths([[3, -1]]), ValueError, r"lengths\[0\]\[1\] must be >= 0"),
@@ -161,6 +163,14 @@ def test_layout_cache_keys_documents_by_value():
 def test_errors(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_meta_inputs_check_documents_without_values():
+    q = torch.randn(2, 1, 8, 4, device="meta")
+    meta_ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    assert sa.sparse_attention(q, q, q, sa.Local(1), documents=meta_ids).shape == (2, 1, 8, 4)
+    with pytest.raises(ValueError, match=r"documents must have shape \(2, 8\)"):
+        sa.sparse_attention(q, q, q, sa.Local(1), documents=meta_ids[:1])
 
 
 def test_helpers():
