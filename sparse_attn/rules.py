@@ -251,18 +251,20 @@ class TilesRule(Rule):
         return count > 0, count == area, self._signature(b, r0, r1, c0, c1)
 
     def _signature(self, b, r0, r1, c0, c1):
-        """Blocks within 2 x 2 tiles (tiles at least as large as blocks): the block's offset in its
-        tile and which of its tiles are chosen. Blocks over more tiles keep a tile of their own (the
-        block's position): random tiles rarely repeat there, and bits would cost (block / unit)^2 each."""
+        """Blocks over at most 256 tiles (tiles at least as large as blocks, or a Blocks grid up to 15 times
+        finer than the layout): the block's offset in its tile and which of its tiles are chosen, as bits
+        in int64 columns of 62. Blocks over more tiles keep a tile of their own (the block's position)."""
         rows, cols = int((r1 - r0).max(initial=0)) + 1, int((c1 - c0).max(initial=0)) + 1
-        if rows * cols > 4:
+        if rows * cols > 256:
             return np.stack([b.i0, b.j0], axis=1)
-        bits = [(b.i0 - self.origin) % self.unit, b.j0 % self.unit]
+        chosen = np.zeros((ceil_div(rows * cols, 62), *b.i0.shape), dtype=np.int64)
         for dr in range(rows):
             for dc in range(cols):
                 inside = (r0 + dr <= r1) & (c0 + dc <= c1)
-                bits.append(inside & _member(self.chosen, (r0 + dr) * self.n_kt + c0 + dc))
-        return np.stack(bits, axis=1).astype(np.int64)
+                bit = inside & _member(self.chosen, (r0 + dr) * self.n_kt + c0 + dc)
+                column, shift = divmod(dr * cols + dc, 62)
+                chosen[column] |= bit.astype(np.int64) << shift
+        return np.stack([(b.i0 - self.origin) % self.unit, b.j0 % self.unit, *chosen], axis=1)
 
     def candidates(self, ctx, block_size):
         u, n_kb = self.unit, ceil_div(ctx.n_k, block_size)
