@@ -107,12 +107,21 @@ def test_random_draws_per_document_deterministically():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=patterns, lengths=st.lists(st.lists(st.integers(0, 25), min_size=1, max_size=6), min_size=1,
                                           max_size=2),
-       extra=st.integers(0, 9), block_size=st.sampled_from([1, 3, 4, 8, 16, 64]), causal=st.booleans())
-def test_layout_matches_definition_for_random_patterns_and_splits(pattern, lengths, extra, block_size, causal):
+       extra=st.integers(0, 9), padded=st.sets(st.integers(0, 5)), block_size=st.sampled_from([1, 3, 4, 8, 16, 64]),
+       causal=st.booleans(), mask_seed=st.one_of(st.none(), st.integers(0, 2**16)))
+def test_layout_matches_definition_for_random_patterns_and_splits(pattern, lengths, extra, padded, block_size,
+                                                                  causal, mask_seed):
+    """Random documents (some of them turned into padding), random call-time masks."""
     n = max(sum(example) for example in lengths) + extra
     if n == 0:
         return
-    check_documents_layout(pattern, ids_from(lengths, n), heads=2, block_size=block_size, causal=causal)
+    ids = ids_from(lengths, n)
+    ids[np.isin(ids, list(padded))] = -1
+    call = {"causal": causal}
+    if mask_seed is not None:
+        rng = np.random.default_rng(mask_seed)
+        call.update(global_mask=rng.random(ids.shape) < 0.1, key_padding_mask=rng.random(ids.shape) < 0.2)
+    check_documents_layout(pattern, ids, heads=2, block_size=block_size, **call)
 
 
 def test_layout_cache_keys_documents_by_value():
