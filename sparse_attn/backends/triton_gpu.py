@@ -33,7 +33,7 @@ Backward (recomputes P from q, k and lse instead of storing it; no atomics, so d
 K and V of batch 1 (one K, V read by every example of q) are never copied: the forward and dQ kernels
 read them with batch stride 0. The dK/dV programs still run per (key block, example x kv head), into a
 float32 (B, Hkv, Nk, D) buffer each for dK and dV that is then summed over the batch: 8 B Hkv Nk D bytes
-more than a per-example K, V would take, and still no atomics.
+during the backward (what per-example float32 dK, dV would take), and still no atomics.
 
 CPU tensors run in Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is first
 imported: slow, for tests only. The kernels are registered as ``torch.library`` custom ops with
