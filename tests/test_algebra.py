@@ -331,7 +331,8 @@ def test_blocks_from_numpy_torch_and_lists_are_one_immutable_value():
     values = [[True, False, True], [False, True, True]]
     specs = [sa.Blocks(values, 4), sa.Blocks(np.array(values), 4), sa.Blocks(torch.tensor(values), 4),
              sa.Blocks(torch.tensor(values, dtype=torch.int64), 4), sa.Blocks(np.array(values, dtype=np.uint8), 4),
-             sa.Blocks(torch.tensor(values).T.T, 4), sa.Blocks(np.array(values)[:, ::1], np.int64(4))]
+             sa.Blocks(torch.tensor(values).T.contiguous().T, 4),                 # non-contiguous views
+             sa.Blocks(np.array(values).T.copy().T, np.int64(4))]
     assert len(set(specs)) == 1 and all(s == specs[0] for s in specs)
     assert specs[0] != sa.Blocks(values, 8) and specs[0] != sa.Blocks([[1, 0, 1], [0, 1, 0]], 4)
     source = np.array(values)
