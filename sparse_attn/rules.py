@@ -512,18 +512,21 @@ def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule
     rows = np.arange(first, n_qt, dtype=np.int64)
     n_free = n_kt - _count_in(blocked, rows * n_kt, rows * n_kt + n_kt - 1)
     every = rows[n_free <= blocks]  # these rows take all their free tiles, without drawing
-    taken = np.union1d(blocked, _ranges_to_keys(every, np.zeros_like(every), np.full_like(every, n_kt - 1), n_kt))
+    free = _ranges_to_keys(every, np.zeros_like(every), np.full_like(every, n_kt - 1), n_kt)
+    free = free[~_member(blocked, free)]
+    taken = np.insert(blocked, np.searchsorted(blocked, free), free)  # sorted merge: blocked may be most tiles
     rows, n_free = rows[n_free > blocks], n_free[n_free > blocks]
     for t in range(blocks if rows.size else 0):  # here blocks < n_free <= n_kt
-        # the pick-th free tile of the row: least c with c - #taken(<= c) == pick (monotone fixed point)
+        # the pick-th free tile of the row: the least c with c - #taken(<= c) == pick, found by bisection as
+        # that count never decreases in c (log2(n_kt) steps, however densely the other members take the row)
         pick = (_hash(seed, ctx.head, ctx.document, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
-        c = pick
-        while True:
-            c_next = pick + _count_in(taken, rows * n_kt, rows * n_kt + c)
-            if np.array_equal(c_next, c):
-                break
-            c = c_next
-        taken = np.union1d(taken, rows * n_kt + c)
+        lo, hi = pick, np.full_like(pick, n_kt - 1)
+        while (lo < hi).any():
+            mid = (lo + hi) // 2
+            enough = mid - _count_in(taken, rows * n_kt, rows * n_kt + mid) >= pick
+            lo, hi = np.where(enough, lo, mid + 1), np.where(enough, mid, hi)
+        picked = rows * n_kt + lo                          # sorted, and free until now: insert, no re-sort
+        taken = np.insert(taken, np.searchsorted(taken, picked), picked)
     return TilesRule(np.setdiff1d(taken, blocked, assume_unique=True), u, n_kt)
 
 
