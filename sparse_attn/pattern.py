@@ -10,7 +10,7 @@ tensor([[1, 1, 1, 1, 1],
         [1, 0, 0, 1, 1]], dtype=torch.int32)
 
 Patterns are small immutable specs, independent of sequence length: this module holds what users
-write (the leaf kinds, ``|``, ``&``, ``PerHead``), their argument checks, serialisation and nesting
+write (the leaf kinds, ``|``, ``&``, ``~``, ``PerHead``), their argument checks, serialisation and nesting
 limit, and nothing that evaluates them. What a spec means for one (n_q, n_k, head) is in
 ``sparse_attn.rules``; ``Pattern.layout`` hands the spec to ``sparse_attn.compiler``, which builds a
 ``BlockLayout``.
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from .layout import BlockLayout
 
-MAX_DEPTH = 64          # nested levels of |, & and PerHead (chains of one operator are flattened, not nested)
+MAX_DEPTH = 64          # nested levels of |, &, ~ and PerHead (chains of | or & are flattened, not nested)
 
 
 def _set_int(spec: Pattern, field: str, minimum: int | None = None) -> None:
