@@ -1,11 +1,13 @@
 """Writes docs/patterns.md from the preset files: python docs/make_patterns_page.py
 
-The densities are the ones ``sparse-attn patterns`` prints (``sparse_attn.presets.preset_rows``).
+Everything below the page's ``HAND_WRITTEN`` line is prose written by hand and kept as it is. The densities are the ones ``sparse-attn patterns`` prints (``sparse_attn.presets.preset_rows``).
 """
 from pathlib import Path
 
 import sparse_attn as sa
 from sparse_attn.presets import preset_path, preset_rows
+
+HAND_WRITTEN = "<!-- written by hand below this line; make_patterns_page.py keeps it -->"
 
 
 def main() -> None:
@@ -24,7 +26,10 @@ def main() -> None:
     example = preset_path("streaming-llm").read_text().strip()
     lines += ["", "## File format", "", "```toml", example, "```", "",
               "`heads` is present for per-head patterns and checked when the file is loaded."]
-    (Path(__file__).parent / "patterns.md").write_text("\n".join(lines) + "\n")
+    page = Path(__file__).parent / "patterns.md"
+    old = page.read_text() if page.exists() else ""
+    kept = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else HAND_WRITTEN + "\n"
+    page.write_text("\n".join(lines) + "\n\n" + kept)
 
 
 if __name__ == "__main__":

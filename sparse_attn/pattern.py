@@ -234,7 +234,7 @@ def _from_dict(d: dict, level: int) -> Pattern:
 
 
 def _depth_error(what: str, depth: int) -> ValueError:
-    return ValueError(f"{what} would nest {depth} levels of |, & and PerHead, more than MAX_DEPTH={MAX_DEPTH}; "
+    return ValueError(f"{what} would nest {depth} levels of |, &, ~ and PerHead, more than MAX_DEPTH={MAX_DEPTH}; "
                       f"combine the members of one operator once instead of nesting them: sa.Union(*members) or "
                       f"sa.Intersection(*members) (a chain of one operator is flattened and counts as one level), "
                       f"and factor shared terms: (a & m) | (b & m) == (a | b) & m")

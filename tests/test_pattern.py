@@ -284,7 +284,7 @@ def alternating(levels, leaf=sa.Local(1)):
 
 def test_nesting_deeper_than_the_limit_is_refused_at_construction():
     deepest = alternating(MAX_DEPTH)
-    with pytest.raises(ValueError, match=rf"this Union would nest {MAX_DEPTH + 1} levels of \|, & and PerHead, more "
+    with pytest.raises(ValueError, match=rf"this Union would nest {MAX_DEPTH + 1} levels of \|, &, ~ and PerHead, more "
                                          rf"than MAX_DEPTH={MAX_DEPTH}; combine the members of one operator once"):
         deepest | sa.Causal()
     with pytest.raises(ValueError, match=f"this PerHead would nest {MAX_DEPTH + 1} levels"):
