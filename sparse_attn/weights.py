@@ -36,7 +36,8 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     """Softmax probabilities that ``sparse_attention`` would apply, for the allowed pairs only.
 
     Args:
-        q: (B, Hq, Nq, D); k: (B, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention).
+        q: (B, Hq, Nq, D); k: (B or 1, Hkv, Nk, D) with Hkv dividing Hq (grouped-query attention);
+            a k of batch 1 is shared by every example.
         pattern: a Pattern, or a prebuilt BlockLayout (then causal and the masks are already in it).
         causal, key_padding_mask, global_mask, documents, scale: as in ``sparse_attention``.
         block_size: the block size of the layout built from a Pattern (it does not change the result).
@@ -71,7 +72,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
                 stored = (b % mask.shape[0], h % mask.shape[1])
                 (rows, cols), counts = pairs[stored]
                 q_rows = q[b, h, chunk_rows]                                         # (rows, D)
-                scores = (q_rows @ k[b, h // group].T) * scale                       # (rows, Nk)
+                scores = (q_rows @ k[b % k.shape[0], h // group].T) * scale           # (rows, Nk)
                 probs = torch.softmax(scores.masked_fill(~mask[stored], float("-inf")), dim=-1)
                 parts[b][h].append((counts, cols.cpu().numpy(), probs[rows, cols].cpu().numpy()))
     return [[_csr(chunks, n_q, n_k) for chunks in per_head] for per_head in parts]

@@ -98,3 +98,12 @@ def test_blocks_larger_than_the_sequence():
     weights = sa.attention_weights(q, k, pattern, block_size=2**20)
     expected = dense_probabilities(q, k, pattern.mask(30, 20, heads=2)[None])
     np.testing.assert_allclose(weights[0][1].toarray(), expected[0, 1].numpy(), atol=1e-6)
+
+
+def test_a_k_of_batch_1_is_shared_by_every_example():
+    torch.manual_seed(0)
+    q, k = torch.randn(3, 2, 20, 8, dtype=torch.float64), torch.randn(1, 1, 20, 8, dtype=torch.float64)
+    pattern = sa.Local(3) | sa.Global(first=1)
+    shared = sa.attention_weights(q, k, pattern)
+    copied = sa.attention_weights(q, k.expand(3, -1, -1, -1), pattern)
+    assert all((a != b).nnz == 0 for a, b in zip(np.ravel(shared), np.ravel(copied)))
