@@ -150,7 +150,7 @@ def layout_point(doc_set: str, n: int, repeats: int) -> dict:
             "distinct_tiles": int(tiles)}
 
 
-def _document_mask_mod(documents: torch.Tensor):
+def document_mask_mod(documents: torch.Tensor):
     """FlexAttention's mask_mod for PATTERN applied per document: (b, h, q, kv) -> bool."""
     ids = documents[0]                                                       # (N,)
     change = torch.ones_like(ids, dtype=torch.bool)
@@ -171,7 +171,7 @@ def flex_point(doc_set: str, n: int, compiled: bool) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
     warnings.filterwarnings("ignore", message="_compile flag", category=DeprecationWarning)
-    mask_mod = _document_mask_mod(_documents(doc_set, n))
+    mask_mod = document_mask_mod(_documents(doc_set, n))
     times, peaks = [], []
     for _ in range(2):
         with PeakRSS() as peak:
