@@ -44,6 +44,7 @@ import torch
 from einops import rearrange
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import backends
@@ -51,10 +52,11 @@ from ..api import sparse_attention
 from ..blocks import ceil_div
 from ..checks import check_int
 from ..documents import documents_from_cu_seqlens
-from ..pattern import Global, Local, Pattern, check_pattern
+from ..pattern import Dense, Global, Local, Pattern, check_pattern
 
 DEFAULT_PATTERN = Local(256) | Global(first=1)
-_REGISTERED: dict[str, tuple[Pattern, str]] = {}  # name -> (default pattern, backend)
+# name -> (the pattern given to register: one, one per layer, or None for the model's own; backend)
+_REGISTERED: dict[str, tuple[Pattern | tuple[Pattern, ...] | None, str]] = {}
 _PACKED_PREFILLS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # attention layers whose cache holds a packed batch
 _NO_PACKED_CACHE = ("sparse_attn runs packed sequences (several documents in one row) without a KV cache only: pass "
                     "use_cache=False with packed batches, and generate from a padded batch (one document per row)")
@@ -64,19 +66,30 @@ _SCORE_CHANGES = {"position_bias": "adds a position bias to the attention scores
                   "s_aux": "adds learned attention sinks to the softmax"}          # gpt-oss
 
 
-def register(pattern: Pattern | None = None, *, name: str = "sparse_attn", backend: str = "auto") -> str:
+def register(pattern: Pattern | list[Pattern] | None = None, *, name: str = "sparse_attn",
+             backend: str = "auto") -> str:
     """Make ``attn_implementation=name`` run sparse_attn with ``pattern``; returns ``name``.
 
     >>> register(sa.Local(128) | sa.Global(first=1), name="longformer-128")  # doctest: +SKIP
     'longformer-128'
+    >>> register([Local(127, 0), Dense()], name="two-layers")            # one pattern per decoder layer
+    'two-layers'
+
+    ``pattern``: one Pattern for every layer, a list with one Pattern per decoder layer, or None: the
+    model's own attention per layer where its config has sliding-window layers (``model_pattern``),
+    else ``DEFAULT_PATTERN``.
 
     Registers the attention function (``AttentionInterface``) and the mask function
     (``AttentionMaskInterface``) that hands it the model's padding mask, and makes building a model
     with ``attn_implementation=name`` raise a ValueError for models sparse_attn cannot run (see the
     module docstring). Calling it again with the same name replaces the pattern.
     """
-    pattern = DEFAULT_PATTERN if pattern is None else pattern
-    check_pattern("pattern", pattern)
+    if isinstance(pattern, (list, tuple)):
+        for layer_idx, layer_pattern in enumerate(pattern):
+            check_pattern(f"pattern[{layer_idx}]", layer_pattern)
+        pattern = tuple(pattern)
+    elif pattern is not None:
+        check_pattern("pattern", pattern)
     if not isinstance(name, str) or not name or name in ("eager", "sdpa") or name.startswith(("flash", "flex")):
         raise ValueError(f"name must be a new attn_implementation name such as 'sparse_attn', got {name!r}")
     backends.check_name(backend)
@@ -98,7 +111,7 @@ def _attention_function(name: str):
                           f"materialises attention weights, so none are returned (as with 'sdpa'); build the model "
                           f"with attn_implementation='eager' to get them", stacklevel=2)
         pattern, backend = _REGISTERED[name]
-        pattern = model_pattern(getattr(module, "config", None), pattern)
+        pattern = model_pattern(getattr(module, "config", None), pattern, getattr(module, "layer_idx", None))
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         key_padding_mask = _key_padding_mask(attention_mask, key, causal)                  # (B, n_written) or None
@@ -194,15 +207,62 @@ def _check_cache_of_packed_batch(module: nn.Module, n_q: int, n_k: int, document
         _PACKED_PREFILLS.discard(module)
 
 
-def model_pattern(config, default: Pattern) -> Pattern:
-    """The pattern of a model: ``config.sparse_attn_pattern`` (a Pattern or its dict) if set, else ``default``."""
+def model_pattern(config, default: Pattern | tuple[Pattern, ...] | None = None,
+                  layer_idx: int | None = None) -> Pattern:
+    """The pattern of decoder layer ``layer_idx``: ``config.sparse_attn_pattern`` if set, else ``default``.
+
+    >>> from transformers import Qwen2Config
+    >>> config = Qwen2Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+    ...                      use_sliding_window=True, sliding_window=512)
+    >>> [model_pattern(config, layer_idx=i) for i in range(2)]      # the model's own attention per layer
+    [Local(511, 0), Dense()]
+    >>> model_pattern(config, Local(64), layer_idx=1)                    # the registered pattern wins
+    Local(64)
+
+    Each of the two may be a Pattern (every layer), a list or tuple of Patterns (one per layer) or their
+    ``to_dict()`` dicts. With neither, a model whose config has sliding-window layers
+    (``config.layer_types``/``config.sliding_window``, as transformers reads them) runs its own attention:
+    a sliding layer of window ``w`` sees the current token and the ``w - 1`` before it, ``Local(w - 1, 0)``
+    (transformers' ``kv_idx > q_idx - w``), a full layer ``Dense()`` (causal in a decoder). Any other model
+    gets ``DEFAULT_PATTERN``.
+    """
     chosen = getattr(config, "sparse_attn_pattern", None)
-    if chosen is None or isinstance(chosen, Pattern):
-        return default if chosen is None else chosen
+    chosen = default if chosen is None else chosen
+    if chosen is None:
+        chosen = own_patterns(config) or DEFAULT_PATTERN
+    if isinstance(chosen, (list, tuple)):
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(chosen):
+            raise ValueError(f"{len(chosen)} patterns (one per layer) but the attention layer's layer_idx is "
+                             f"{layer_idx!r}; give one pattern per decoder layer of the model "
+                             f"(config.num_hidden_layers), or one Pattern for every layer")
+        chosen = chosen[layer_idx]
     if isinstance(chosen, dict):
         return Pattern.from_dict(chosen)
-    raise TypeError(f"config.sparse_attn_pattern must be a sparse_attn Pattern or its to_dict() dict, got "
-                    f"{type(chosen).__name__}: {chosen!r}")
+    if isinstance(chosen, Pattern):
+        return chosen
+    raise TypeError(f"config.sparse_attn_pattern must be a sparse_attn Pattern, its to_dict() dict, or a list of "
+                    f"them (one per layer), got {type(chosen).__name__}: {chosen!r}")
+
+
+def own_patterns(config) -> list[Pattern] | None:
+    """The model's own attention as one Pattern per decoder layer if ``config`` has sliding-window layers, else None.
+
+    >>> from transformers import MistralConfig
+    >>> own_patterns(MistralConfig(num_hidden_layers=2, sliding_window=4096))
+    [Local(4095, 0), Local(4095, 0)]
+    >>> own_patterns(MistralConfig(num_hidden_layers=2, sliding_window=None)) is None
+    True
+
+    Only models whose layers are all ``"sliding_attention"`` or ``"full_attention"`` (transformers'
+    ``get_layer_types_and_kwargs``) are read; others (chunked attention, ...) return None.
+    """
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if "sliding_attention" not in layer_types or not set(layer_types) <= {"sliding_attention", "full_attention"}:
+        return None
+    return [Local(kwargs["sliding_window"] - 1, 0) if kind == "sliding_attention" else Dense()
+            for kind, kwargs in zip(layer_types, layer_kwargs)]
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

@@ -1,0 +1,98 @@
+"""sparse_attn.integrations.transformers: one pattern per layer (a model's own sliding-window and full layers by
+default, or one given per layer), against the model's own eager/sdpa attention."""
+import copy
+
+import pytest
+import torch
+
+import sparse_attn as sa
+from sparse_attn import backends
+
+transformers = pytest.importorskip("transformers", minversion="5.0", reason='needs transformers >= 5: pip install ".[hf]"')
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+
+from sparse_attn.integrations.transformers import model_pattern, own_patterns, register  # noqa: E402
+
+BACKEND = "numba" if backends.availability("numba")[0] else "reference"
+OWN = register(name="sparse_attn_test_own", backend=BACKEND)               # no pattern: the model's own per layer
+VOCAB = 100
+WINDOW = 5
+TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+            vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0)
+
+
+def _sliding_configs():
+    return [Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            MistralConfig(**TINY, sliding_window=WINDOW)]
+
+
+def _twins(config, implementation, reference="eager"):
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(config, attn_implementation=reference).eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(theirs.config), attn_implementation=implementation).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
+
+
+def _batch(n=24, left=True):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (3, n), generator=gen)
+    keep = torch.arange(n) < torch.tensor([n, n - 7, 9])[:, None]             # (B, N), True = token
+    return ids, (keep.flip(1) if left else keep).long()
+
+
+def test_own_patterns_follow_transformers_window_convention():
+    """transformers' sliding window w: kv_idx > q_idx - w, the current token and the w - 1 before it."""
+    qwen, mistral = _sliding_configs()
+    assert own_patterns(qwen) == [sa.Local(WINDOW - 1, 0), sa.Dense(), sa.Local(WINDOW - 1, 0)]
+    assert own_patterns(mistral) == [sa.Local(WINDOW - 1, 0)] * 3
+    assert own_patterns(LlamaConfig(**TINY)) is None
+    assert own_patterns(Qwen2Config(**TINY)) is None                           # use_sliding_window=False
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+    theirs = and_masks(causal_mask_function, sliding_window_overlay(WINDOW))
+    n = 12
+    mask = torch.tensor([[theirs(0, 0, torch.tensor(i), torch.tensor(j)) for j in range(n)] for i in range(n)])
+    assert torch.equal(mask, (sa.Local(WINDOW - 1, 0) & sa.Causal()).mask(n)[0])
+
+
+@pytest.mark.parametrize("reference", ["eager", "sdpa"])
+@pytest.mark.parametrize("config", _sliding_configs(), ids=["qwen2-layer-types", "mistral"])
+def test_sliding_and_full_layers_equal_the_model_by_default(config, reference):
+    theirs, ours = _twins(config, OWN, reference)
+    ids, mask = _batch()
+    keep = mask.bool()
+    expected = theirs(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep], expected[keep],
+                               atol=1e-5, rtol=1e-5)
+    everything = register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND)
+    _, dense = _twins(config, everything, reference)                           # the windows matter
+    assert not torch.allclose(dense(input_ids=ids, attention_mask=mask).logits[keep], expected[keep], atol=1e-3)
+
+
+def test_one_pattern_per_layer():
+    qwen, _ = _sliding_configs()
+    name = register([sa.Local(WINDOW - 1, 0), sa.Dense(), sa.Local(WINDOW - 1, 0)], name="sparse_attn_test_layers",
+                    backend=BACKEND)
+    theirs, ours = _twins(qwen, name)
+    ids, mask = _batch()
+    keep = mask.bool()
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
+                               theirs(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
+    ours.config.sparse_attn_pattern = [sa.Dense().to_dict()] * 3             # the config's list wins
+    _, dense = _twins(qwen, register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND))
+    torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
+                               dense(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
+
+
+def test_per_layer_errors():
+    qwen, _ = _sliding_configs()
+    assert model_pattern(qwen, [sa.Local(1), sa.Local(2)], layer_idx=1) == sa.Local(2)
+    with pytest.raises(ValueError, match=r"2 patterns \(one per layer\) but the attention layer's layer_idx is 2; "
+                                         r"give one pattern per decoder layer"):
+        model_pattern(qwen, [sa.Local(1), sa.Local(2)], layer_idx=2)
+    with pytest.raises(TypeError, match=r"pattern\[1\] must be a sparse_attn Pattern"):
+        register([sa.Local(1), "local"], name="sparse_attn_test_bad")
+    qwen.sparse_attn_pattern = ["local"]
+    with pytest.raises(TypeError, match="config.sparse_attn_pattern must be a sparse_attn Pattern, its to_dict"):
+        model_pattern(qwen, layer_idx=0)
