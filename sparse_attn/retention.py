@@ -1,0 +1,211 @@
+"""Retention: which past keys a pattern still lets a future query reach, for a decoding KV cache.
+
+>>> import sparse_attn as sa
+>>> r = retention(sa.Local(4, 0) | sa.Sink(first=2))
+>>> r.bounded, r.fixed, r.window
+(True, (0, 1), 4)
+>>> r.kept(t=10, n=10).tolist()              # the next query is at position 10: sinks and the last 4 keys
+[0, 1, 6, 7, 8, 9]
+>>> retention(sa.Stride(4) | sa.Local(8)).reason
+'Stride(4) can reach any past key'
+
+Decoding appends keys at positions 0, 1, 2, ...; the query at position i sees the keys of its step,
+``0 .. n_k - 1`` with ``n_k >= i + 1`` (``n_k == i + 1`` token by token, larger for a query inside a
+prefill chunk), with the pattern resolved as ``sparse_attention(q_new, k_all, v_all, pattern)``
+resolves it (bottom-right aligned). A key at position j < t that no query at a position >= t can
+attend is never needed again, and a cache may drop it.
+
+The analysis reads the spec tree (its ``kind`` tags and public fields), as the rules do:
+
+- ``Local(l, r, block_size=u)`` keeps the trailing ``l * u + u - 1`` positions (``l`` when u = 1):
+  the look-ahead ``r`` only reaches keys that arrive later.
+- ``Sink`` keeps its tokens; ``Global(tokens, first)`` keeps its tokens, and a global *query* at a
+  future position g sees every key, so everything is kept until the query at g has run
+  (``dense_until``). ``Global(last=L)`` makes the newest tokens global (in decoding the newest query
+  is always among the last L), so their rows reach every key: unbounded on its own.
+- ``Causal``, ``Dense``, ``Stride``, ``Random``, ``Blocks``, a complement and a periodic
+  ``Sink(period=...)`` (a column every period: a number of columns growing with the sequence) are
+  unbounded; ``Dilated`` is a window and a stride, bounded by its window.
+- ``a | b`` is bounded when both are (fixed tokens united, the larger window); ``a & b`` when
+  either is (the unbounded side only narrows: the bounded sides' fixed tokens, the smaller window).
+- ``PerHead`` takes the union over heads: a cache holds one set of positions for every head.
+- ``documents=`` plays no part: packed documents are a training-time layout, a cache decodes one
+  sequence per example.
+
+``fixed``, ``window`` and ``dense_until`` describe what a cache stores, a superset of the keys
+still reachable. :meth:`Retention.kept` is exact where the pattern is built from ``Local``,
+``Sink``, ``Global``, ``Causal`` and ``Dense`` with ``|``, ``&`` and ``PerHead``: it then drops every
+key that no future query attends (minimal); elsewhere it returns the stored superset (safe).
+
+Imports run one way: this module imports ``rules`` and ``checks``; neither imports it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from .checks import check_int
+from .pattern import check_pattern
+from .rules import Context, resolve
+
+# kinds whose rules are monotone in the query position (windows that only move forward, fixed
+# columns, global rows): the union of what queries >= t reach is what the query at t and the global
+# queries after t reach, so kept() can evaluate exactly that
+_EXACT_KINDS = frozenset({"local", "sink", "global", "causal", "dense", "union", "intersection", "per_head"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """What a cache must keep for ``pattern`` over ``heads`` query heads; see the module docstring.
+
+    bounded:     False when some future query may reach any past key (then a cache keeps everything).
+    fixed:       positions kept forever (sinks, global tokens), sorted.
+    window:      a key at position j < t stays while j >= t - window (t: the next query's position).
+    dense_until: while t <= dense_until a global query is still to come and may reach every key
+                 (-1: none).
+    rows:        the positions of global queries in the pattern (where kept() looks beyond t).
+    reason:      for an unbounded pattern, the part that makes it so ("" when bounded).
+    """
+
+    pattern: object
+    heads: int
+    bounded: bool
+    fixed: tuple[int, ...]
+    window: int
+    dense_until: int
+    rows: tuple[int, ...]
+    reason: str
+    exact: bool
+
+    def kept(self, t: int, n: int) -> np.ndarray:
+        """Sorted positions among ``0 .. n - 1`` that a query at a position >= ``t`` may still attend.
+
+        Keys at ``t`` or later are always kept (a query of the current chunk may look ahead to them).
+        """
+        t, n = check_int("t", t, 0), check_int("n", n, 0)
+        if not self.bounded or t <= self.dense_until:
+            candidates = np.arange(n, dtype=np.int64)
+        else:
+            start = min(max(t - self.window, 0), n)                  # the window: start .. n - 1
+            fixed = np.asarray([p for p in self.fixed if p < start], dtype=np.int64)
+            candidates = np.concatenate([fixed, np.arange(start, n, dtype=np.int64)])
+        if not self.exact:
+            return candidates
+        past = candidates[candidates < t]
+        return np.concatenate([past[self.reached(t, past)], candidates[candidates >= t]])
+
+    def reached(self, t: int, keys: np.ndarray) -> np.ndarray:
+        """For keys at positions < t (int64 array): does some query at a position >= t attend it? Exact
+        for the kinds listed in the module docstring; ``kept`` calls it only for those."""
+        queries = [t] + [g for g in self.rows if g > t]
+        out = np.zeros(keys.shape, dtype=bool)
+        for i in queries:
+            for head in range(self.heads if getattr(self.pattern, "head_dependent", False) else 1):
+                out |= resolve(self.pattern, Context(1, i + 1, head)).allows(np.int64(i), keys)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """The analysis of one subtree: an unbounded one has ``reason`` set and its other fields unused."""
+
+    reason: str = ""
+    fixed: frozenset = frozenset()
+    window: int = 0
+    dense_until: int = -1
+
+
+def retention(pattern, heads: int = 1) -> Retention:
+    """The retention of ``pattern`` for ``heads`` query heads (PerHead: one pattern per head).
+
+    >>> import sparse_attn as sa
+    >>> r = retention(sa.Global(first=2) | sa.Local(3, 0))
+    >>> r.fixed, r.window, r.dense_until                      # everything kept until query 1 has run
+    ((0, 1), 3, 1)
+    >>> retention(sa.Local(8) & sa.Causal()).window
+    8
+    """
+    check_pattern("pattern", pattern)
+    heads = check_int("heads", heads, 1)
+    pattern.check_heads(heads)
+    bound = _analyse(pattern)
+    return Retention(pattern=pattern, heads=heads, bounded=not bound.reason, fixed=tuple(sorted(bound.fixed)),
+                     window=bound.window, dense_until=bound.dense_until, rows=_global_rows(pattern),
+                     reason=bound.reason, exact=_exact(pattern))
+
+
+def _exact(spec) -> bool:
+    if spec.kind not in _EXACT_KINDS:
+        return False
+    return all(_exact(p) for p in getattr(spec, "patterns", ()))
+
+
+def _global_rows(spec) -> tuple[int, ...]:
+    """Positions of the global queries (``Global``'s tokens and first tokens) anywhere in the tree."""
+    if spec.kind == "global":
+        return tuple(sorted(set(spec.tokens) | set(range(spec.first))))
+    children = getattr(spec, "patterns", ()) or ((spec.pattern,) if spec.kind == "complement" else ())
+    return tuple(sorted(set().union(*(_global_rows(p) for p in children))))
+
+
+def _analyse(spec) -> _Bound:
+    return _ANALYSES.get(spec.kind, _unbounded)(spec)
+
+
+def _unbounded(spec) -> _Bound:
+    return _Bound(reason=f"{spec!r} can reach any past key")
+
+
+def _local(spec) -> _Bound:
+    u = spec.block_size
+    return _Bound(window=spec.before * u + u - 1)  # query block t // u sees key blocks from t // u - before
+
+
+def _dilated(spec) -> _Bound:
+    return _Bound(window=spec.before * spec.dilation)
+
+
+def _sink(spec) -> _Bound:
+    if spec.period:
+        return _Bound(reason=f"{spec!r} keeps a column every {spec.period} tokens, a number growing with the "
+                             f"sequence")
+    return _Bound(fixed=frozenset(spec.tokens) | frozenset(range(spec.first)))
+
+
+def _global(spec) -> _Bound:
+    if spec.last:
+        return _Bound(reason=f"{spec!r} makes the newest tokens global: their rows reach every past key")
+    tokens = frozenset(spec.tokens) | frozenset(range(spec.first))
+    return _Bound(fixed=tokens, dense_until=max(tokens, default=-1))
+
+
+def _union(spec) -> _Bound:
+    members = [_analyse(p) for p in spec.patterns]
+    unbounded = [m.reason for m in members if m.reason]
+    if unbounded:
+        return _Bound(reason=unbounded[0])
+    return _Bound(fixed=frozenset().union(*(m.fixed for m in members)), window=max(m.window for m in members),
+                  dense_until=max(m.dense_until for m in members))
+
+
+def _intersection(spec) -> _Bound:
+    """Bounded when a member is; the unbounded members only narrow. Until every member's global queries
+    have run (t <= min dense_until) all keys stay; then some member is past its global queries and
+    bounds the set by its fixed tokens and window: the largest window while any member still has global
+    queries to come, the smallest when none has any."""
+    members = [_analyse(p) for p in spec.patterns]
+    bounded = [m for m in members if not m.reason]
+    if not bounded:
+        return _Bound(reason=" and ".join(m.reason for m in members))
+    with_rows = any(m.dense_until >= 0 for m in bounded)
+    return _Bound(fixed=frozenset().union(*(m.fixed for m in bounded)),
+                  window=(max if with_rows else min)(m.window for m in bounded),
+                  dense_until=min(m.dense_until for m in bounded))
+
+
+_ANALYSES: dict[str, Callable[[object], _Bound]] = {
+    "local": _local, "dilated": _dilated, "sink": _sink, "global": _global,
+    "union": _union, "per_head": _union, "intersection": _intersection,
+}
