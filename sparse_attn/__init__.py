@@ -16,12 +16,12 @@ from .pattern import (Blocks, Causal, Complement, Dense, Dilated, Global, Inters
 from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
 
 _LAZY = {"BlockLayout": ".layout", "sparse_attention": ".api", "attention_weights": ".weights", "nn": ".nn",
-         "documents_from_lengths": ".documents", "documents_from_cu_seqlens": ".documents"}
+         "documents_from_lengths": ".documents", "documents_from_cu_seqlens": ".documents", "SparseKVCache": ".kv_cache"}
 
 __all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Blocks", "Union",
            "Intersection", "Complement", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
            "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern", "nn",
-           "documents_from_lengths", "documents_from_cu_seqlens"]
+           "documents_from_lengths", "documents_from_cu_seqlens", "SparseKVCache"]
 
 
 def __getattr__(name: str):

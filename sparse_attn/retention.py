@@ -117,8 +117,9 @@ class _Bound:
     dense_until: int = -1
 
 
-def retention(pattern, heads: int = 1) -> Retention:
-    """The retention of ``pattern`` for ``heads`` query heads (PerHead: one pattern per head).
+def retention(pattern, heads: int | None = None) -> Retention:
+    """The retention of ``pattern`` for ``heads`` query heads; None: as many as a ``PerHead`` in the pattern
+    names, else 1 (only ``kept``'s evaluation of a PerHead pattern depends on the heads).
 
     >>> import sparse_attn as sa
     >>> r = retention(sa.Global(first=2) | sa.Local(3, 0))
@@ -128,7 +129,7 @@ def retention(pattern, heads: int = 1) -> Retention:
     8
     """
     check_pattern("pattern", pattern)
-    heads = check_int("heads", heads, 1)
+    heads = _heads_named(pattern) if heads is None else check_int("heads", heads, 1)
     pattern.check_heads(heads)
     bound = _analyse(pattern)
     return Retention(pattern=pattern, heads=heads, bounded=not bound.reason, fixed=tuple(sorted(bound.fixed)),
@@ -137,17 +138,24 @@ def retention(pattern, heads: int = 1) -> Retention:
 
 
 def _exact(spec) -> bool:
-    if spec.kind not in _EXACT_KINDS:
-        return False
-    return all(_exact(p) for p in getattr(spec, "patterns", ()))
+    return spec.kind in _EXACT_KINDS and all(_exact(p) for p in _children(spec))
+
+
+def _heads_named(spec) -> int:
+    if spec.kind == "per_head":
+        return len(spec.patterns)
+    return max((_heads_named(p) for p in _children(spec)), default=1)
+
+
+def _children(spec) -> tuple:
+    return getattr(spec, "patterns", ()) or ((spec.pattern,) if spec.kind == "complement" else ())
 
 
 def _global_rows(spec) -> tuple[int, ...]:
     """Positions of the global queries (``Global``'s tokens and first tokens) anywhere in the tree."""
     if spec.kind == "global":
         return tuple(sorted(set(spec.tokens) | set(range(spec.first))))
-    children = getattr(spec, "patterns", ()) or ((spec.pattern,) if spec.kind == "complement" else ())
-    return tuple(sorted(set().union(*(_global_rows(p) for p in children))))
+    return tuple(sorted(set().union(*(_global_rows(p) for p in _children(spec)))))
 
 
 def _analyse(spec) -> _Bound:

@@ -1,0 +1,262 @@
+"""SparseKVCache: a KV cache that keeps only the keys its pattern can still reach, for decoding.
+
+>>> import torch, sparse_attn as sa
+>>> cache = sa.SparseKVCache(sa.Local(7, 0) | sa.Sink(first=2), backend="reference")
+>>> prompt = torch.randn(1, 2, 20, 8)                                  # (B, Hkv, N, D)
+>>> out = cache.attend(prompt, prompt, prompt)                         # prefill: 20 queries
+>>> for _ in range(30):                                                # then one token at a time
+...     x = torch.randn(1, 2, 1, 8)
+...     out = cache.attend(x, x, x)                                    # (1, 2, 1, 8)
+>>> cache.seq_len, len(cache.positions)                                # 50 seen, 2 sinks + 8 held
+(50, 10)
+>>> sorted(cache.positions.tolist())
+[0, 1, 42, 43, 44, 45, 46, 47, 48, 49]
+
+Semantics: the cache holds keys at absolute positions 0, 1, 2, ... (appended in order by
+``update``). ``attend(q, k, v)`` appends k, v and returns, for the new queries (at the positions of the
+new keys), exactly the rows that ``sparse_attention(q_new, k_all, v_all, pattern)`` computes over the
+whole past: the decode path of every pattern (bottom-right aligned, the pattern resolved for
+n_q = the new tokens, n_k = every token so far; a non-causal pattern's queries see the later keys of
+their own chunk, as the same call does). Keys are dropped by :func:`sparse_attn.retention.retention`:
+sinks and global tokens stay in fixed slots, the trailing window in a ring buffer; a pattern with no
+bound (a stride, random blocks, ``Causal()`` alone) keeps everything and warns once.
+
+Order: an update first drops what no query at or after its own first position can reach, then
+appends, so what it returns is everything its queries need; the next update drops the rest. The ring
+holds ``window + chunk`` slots: sized on the first update, reallocated only when the chunk size changes
+(a prefill chunk, then single tokens), never step by step.
+
+Imports run one way: this module imports ``api``, ``compiler``, ``pattern``, ``retention``, ``rules`` and
+``backends``; none of them imports it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from . import backends
+from .api import check_inputs, sparse_attention
+from .checks import check_bool
+from .compiler import build_layout
+from .layout import BlockLayout
+from .pattern import Blocks, check_pattern
+from .retention import retention
+from .rules import Context, resolve
+
+_MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
+
+
+class SparseKVCache:
+    """Keys and values of one attention layer, evicted by what ``pattern`` can still reach.
+
+    Args:
+        pattern: the layer's Pattern (a ``PerHead`` one names the query heads it takes).
+        backend: for ``attend``: "auto" (triton for CUDA tensors, numba for CPU), "reference", "numba" or
+            "triton", as in ``sparse_attention``.
+
+    Storage is allocated on the first ``update`` (batch, kv heads, head dim, dtype and device from k);
+    ``nbytes`` is what it holds allocated. Positions are shared by every head and example: for
+    ``PerHead`` the cache keeps the union over heads.
+    """
+
+    def __init__(self, pattern, *, backend: str = "auto"):
+        check_pattern("pattern", pattern)
+        self.pattern, self.backend = pattern, backends.check_name(backend)
+        self.retention = retention(pattern)
+        self._fixed = np.asarray(self.retention.fixed if self.retention.bounded else (), dtype=np.int64)
+        self._keys = self._values = None                # (B, Hkv, slots, D): fixed slots, then the ring
+        self._slot_positions = np.zeros(0, dtype=np.int64)  # (slots,) position held in each slot, -1 free
+        self._ring_head = self._ring_count = 0          # the oldest ring entry (index into the ring), entries
+        self._seen = 0
+        self._new = np.zeros(0, dtype=np.int64)         # positions appended by the last update
+
+    # --- state ---------------------------------------------------------------------------------
+    @property
+    def bounded(self) -> bool:
+        """True when the cache's size stops growing (the pattern's retention is bounded)."""
+        return self.retention.bounded
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens seen (appended) so far: the next token's position."""
+        return self._seen
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute positions (int64, CPU) of the held keys, in the order ``update`` returns them."""
+        return torch.from_numpy(self._slot_positions[self._held_slots()])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of key and value storage allocated."""
+        return 0 if self._keys is None else 2 * self._keys.nelement() * self._keys.element_size()
+
+    def __repr__(self) -> str:
+        return (f"SparseKVCache({self.pattern!r}, seq_len={self._seen}, held={len(self.positions)}, "
+                f"bounded={self.bounded})")
+
+    # --- appending -----------------------------------------------------------------------------
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append k, v (B, Hkv, n_new, D) at the next positions; returns the held keys and values (B, Hkv,
+        n_held, D) and their positions (int64 (n_held,), CPU): the fixed tokens in ascending order, then
+        the ring from its oldest entry (ascending too unless the ring wraps; positions say which is where).
+        A view of the storage when the held slots are contiguous (the steady state), else a gathered copy."""
+        self._check_kv(k, v)
+        n_new = k.shape[2]
+        new = np.arange(self._seen, self._seen + n_new, dtype=np.int64)
+        self._evict(t=self._seen)
+        fixed = np.isin(new, self._fixed)
+        self._make_room(k, int((~fixed).sum()))
+        slots = np.empty(n_new, dtype=np.int64)
+        slots[fixed] = np.searchsorted(self._fixed, new[fixed])
+        ring_size = len(self._slot_positions) - len(self._fixed)
+        ring = (self._ring_head + self._ring_count + np.arange(int((~fixed).sum()))) % max(ring_size, 1)
+        slots[~fixed] = len(self._fixed) + ring
+        self._ring_count += len(ring)
+        self._write(slots, k, v)
+        self._slot_positions[slots] = new
+        self._seen += n_new
+        self._new = new
+        held = self._held_slots()
+        if len(held) and (held == np.arange(held[0], held[0] + len(held))).all():
+            keys, values = self._keys[:, :, held[0]:held[0] + len(held)], self._values[:, :, held[0]:held[0] + len(held)]
+        else:
+            index = torch.from_numpy(held).to(self._keys.device)
+            keys, values = self._keys.index_select(2, index), self._values.index_select(2, index)
+        return keys, values, torch.from_numpy(self._slot_positions[held])
+
+    def _check_kv(self, k, v) -> None:
+        check_inputs(k, k, v)
+        if self._keys is not None:
+            b, h, _, d = self._keys.shape
+            if (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device) != (b, h, d, self._keys.dtype,
+                                                                              self._keys.device):
+                raise ValueError(f"k of shape {tuple(k.shape)} ({k.dtype}, {k.device}) does not continue this cache "
+                                 f"of (batch, kv_heads, head_dim) = {(b, h, d)} ({self._keys.dtype}, "
+                                 f"{self._keys.device}); use one SparseKVCache per layer and sequence batch")
+
+    def _evict(self, t: int) -> None:
+        """Drop ring entries that no query at a position >= t can reach (the oldest first)."""
+        r = self.retention
+        if not r.bounded or t <= r.dense_until or self._ring_count == 0:
+            return
+        ring = self._ring_slots()
+        old = int(np.searchsorted(self._slot_positions[ring], t - r.window))   # entries below the window
+        self._slot_positions[ring[:old]] = -1
+        ring_size = len(self._slot_positions) - len(self._fixed)
+        self._ring_head, self._ring_count = (self._ring_head + old) % ring_size, self._ring_count - old
+
+    def _make_room(self, k: torch.Tensor, n_ring: int) -> None:
+        """Room for ``n_ring`` more ring entries. The ring grows by doubling up to ``window + n_ring`` slots
+        (what it holds once the window is full: at most ``window`` entries survive an eviction), and comes
+        back to that size after a larger chunk or after the global queries have run; while everything is
+        kept (an unbounded pattern, global queries still to come) it grows by doubling."""
+        r = self.retention
+        ring_size = len(self._slot_positions) - len(self._fixed)
+        needed = self._ring_count + n_ring
+        steady = r.bounded and self._seen > r.dense_until
+        target = r.window + n_ring if steady else None
+        if ring_size < needed:
+            size = max(needed, 2 * ring_size) if target is None else min(max(needed, 2 * ring_size), target)
+        elif target is not None and ring_size > target:
+            size = target
+        elif self._keys is None:
+            size = needed
+        else:
+            return
+        b, h, _, d = k.shape
+        n_fixed = len(self._fixed)
+        keys = k.new_empty(b, h, n_fixed + size, d)                                          # (B, Hkv, S, D)
+        values = k.new_empty(b, h, n_fixed + size, d)
+        positions = np.full(n_fixed + size, -1, dtype=np.int64)
+        if self._keys is not None:                       # fixed slots as they are, the ring unrolled
+            old = np.concatenate([np.arange(n_fixed), self._ring_slots()])
+            index = torch.from_numpy(old).to(k.device)
+            keys[:, :, :len(old)] = self._keys.index_select(2, index)
+            values[:, :, :len(old)] = self._values.index_select(2, index)
+            positions[:len(old)] = self._slot_positions[old]
+        elif not r.bounded:
+            warnings.warn(f"SparseKVCache keeps every key of {self.pattern!r}: {r.reason}, so no key can be "
+                          f"dropped and the cache grows with the sequence", stacklevel=4)
+        self._keys, self._values, self._slot_positions, self._ring_head = keys, values, positions, 0
+
+    def _write(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
+        if len(slots) and (np.diff(slots) == 1).all():                      # one contiguous run: a slice
+            self._keys[:, :, slots[0]:slots[-1] + 1] = k
+            self._values[:, :, slots[0]:slots[-1] + 1] = v
+        else:
+            index = torch.from_numpy(slots).to(k.device)
+            self._keys.index_copy_(2, index, k)
+            self._values.index_copy_(2, index, v)
+
+    def _ring_slots(self) -> np.ndarray:
+        ring_size = len(self._slot_positions) - len(self._fixed)
+        return len(self._fixed) + (self._ring_head + np.arange(self._ring_count)) % max(ring_size, 1)
+
+    def _held_slots(self) -> np.ndarray:
+        fixed = np.flatnonzero(self._slot_positions[:len(self._fixed)] >= 0)
+        return np.concatenate([fixed, self._ring_slots()])
+
+    # --- attention -----------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               return_lse: bool = False):
+        """``update(k, v)``, then the new queries q (B, Hq, n_new, D) over the held keys: equal to
+        ``sparse_attention(q, k_all, v_all, pattern)`` over the whole past. Returns out (B, Hq, n_new, D),
+        or ``(out, lse)`` with ``return_lse=True``."""
+        if q.shape[2:3] != k.shape[2:3]:
+            raise ValueError(f"q and k must hold the same new tokens (n_q == n_new), got q {tuple(q.shape)} and "
+                             f"k {tuple(k.shape)}")
+        keys, values, positions = self.update(k, v)
+        return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                  scale: float | None = None, return_lse: bool = False):
+        """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
+        positions), with the pattern's semantics at their absolute positions. Where the held keys are the
+        whole past in order, the pattern's own layout; elsewhere a layout of the held positions
+        (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask."""
+        return_lse = check_bool("return_lse", return_lse)
+        n_q, n_held = q.shape[2], keys.shape[2]
+        if n_q != len(self._new):
+            raise ValueError(f"q has {n_q} queries but the last update appended {len(self._new)} tokens; call "
+                             f"attention right after the update that appended them")
+        positions = positions.numpy()
+        if n_held == self._seen and (positions == np.arange(n_held)).all():
+            return sparse_attention(q, keys, values, self.pattern, scale=scale, backend=self.backend,
+                                    return_lse=return_lse)
+        name = self.backend if self.backend != "auto" else "triton" if q.device.type == "cuda" else "numba"
+        block_size = backends.load(name).BLOCK_SIZE
+        context = Context(n_q, self._seen, 0)
+        step = max(1, _MASK_PAIRS // n_held)
+        parts = []
+        for start in range(0, n_q, step):
+            rows = slice(start, min(start + step, n_q))
+            layout = layout_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1], block_size)
+            parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, backend=self.backend,
+                                          return_lse=True))
+        out, lse = (torch.cat(column, dim=2) for column in zip(*parts))
+        return (out, lse) if return_lse else out
+
+
+def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
+                        heads: int = 1, block_size: int = 64) -> BlockLayout:
+    """The layout of queries and keys at chosen positions of a sequence: row r is the query at
+    ``query_positions[r]``, column c the key at ``key_positions[c]`` (any order, gaps allowed), and a pair
+    is allowed iff ``pattern``, resolved for ``context`` (the whole sequence's n_q and n_k), allows those
+    positions. The token mask is built (O(rows x keys)) and compiled as a ``Blocks`` grid of one-token
+    blocks, never cached.
+
+    >>> import sparse_attn as sa
+    >>> lay = layout_at_positions(sa.Local(2, 0) | sa.Sink(first=1), Context(1, 100, 0), np.array([99]),
+    ...                           np.array([0, 97, 98, 99, 50]), block_size=4)
+    >>> lay.to_dense()[0, 0].int().tolist()
+    [[1, 1, 1, 1, 0]]
+    """
+    i, j = np.asarray(query_positions, dtype=np.int64)[:, None], np.asarray(key_positions, dtype=np.int64)[None, :]
+    grid = np.stack([resolve(pattern, context._replace(head=h)).allows(i, j)
+                     for h in range(heads if pattern.head_dependent else 1)])        # (H or 1, rows, keys)
+    grid = np.broadcast_to(grid, (grid.shape[0], i.shape[0], j.shape[1]))
+    spec = Blocks(grid if pattern.head_dependent else grid[0], 1)
+    return build_layout(spec, i.shape[0], j.shape[1], heads=heads, block_size=block_size, cache=False)
