@@ -1,0 +1,157 @@
+"""SparseKVCache: a whole generation through the cache equals attention over the full past with the same
+pattern, in memory that stops growing once the window is full."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sparse_attn as sa
+from sparse_attn.kv_cache import SparseKVCache, layout_at_positions
+from sparse_attn.rules import Context
+from tests.test_layout import patterns
+from tests.tolerance import assert_within_rule
+
+W = 8  # the window of the bounded patterns below: Local(W - 1, 0) reaches W keys
+BOUNDED = [
+    sa.Local(W - 1, 0) | sa.Sink(first=4),
+    (sa.Local(W - 1, 0) | sa.Sink(first=4)) & sa.Causal(),
+    sa.Global(first=2) | sa.Local(W - 1, 0),
+    sa.Local(3, 2) | sa.Sink(tokens=(5, 9)),                       # looks ahead inside a chunk; sinks arrive late
+    sa.Dilated(3, 2) | sa.Global(tokens=(20,)),                    # a global query in the middle of the run
+    sa.Local(1, 0, block_size=3) & sa.Causal(),
+]
+SCHEDULES = {                                  # chunk sizes: token by token, prefill + tokens, chunks around W
+    "tokens": [1] * 40,
+    "prefill": [13] + [1] * 27,
+    "straddle": [W - 1, 1, W + 1, 1, 1, 2 * W + 3, 1, W, 1, 1, 5],
+}
+
+
+def generation(pattern, chunks, backend="reference", dtype=torch.float64, batch=2, q_heads=4, kv_heads=2, dim=8,
+               seed=0):
+    """(cache outputs, full-past reference outputs in float64, the same in ``dtype`` by the reference backend,
+    the cache) for one generation in ``chunks``."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(chunks)
+    q = torch.randn(batch, q_heads, n, dim, generator=g, dtype=torch.float64)                  # (B, Hq, N, D)
+    k, v = (torch.randn(batch, kv_heads, n, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    cache = SparseKVCache(pattern, backend=backend)
+    outs, oracle, baseline, start = [], [], [], 0
+    for size in chunks:
+        new = slice(start, start + size)
+        outs.append(cache.attend(q[:, :, new].to(dtype), k[:, :, new].to(dtype), v[:, :, new].to(dtype)))
+        past = slice(0, start + size)
+        oracle.append(sa.sparse_attention(q[:, :, new], k[:, :, past], v[:, :, past], pattern, backend="reference"))
+        baseline.append(sa.sparse_attention(q[:, :, new].to(dtype), k[:, :, past].to(dtype), v[:, :, past].to(dtype),
+                                            pattern, backend="reference"))
+        start += size
+    return torch.cat(outs, 2), torch.cat(oracle, 2), torch.cat(baseline, 2), cache
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("pattern", BOUNDED, ids=repr)
+def test_generation_equals_attention_over_the_full_past_float64(pattern, schedule, backend):
+    out, oracle, _, cache = generation(pattern, SCHEDULES[schedule], backend)
+    assert (out - oracle).abs().max().item() <= 1e-12
+    assert cache.bounded and cache.seq_len == sum(SCHEDULES[schedule])
+    assert len(cache.positions) < cache.seq_len                     # something was dropped
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("pattern", BOUNDED[:3], ids=repr)
+def test_generation_float32_within_the_tolerance_rule(pattern, backend):
+    out, oracle, baseline, _ = generation(pattern, SCHEDULES["straddle"], backend, dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert_within_rule("out", out, oracle, baseline)
+
+
+def test_unbounded_pattern_warns_once_keeps_everything_and_stays_exact():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, oracle, _, cache = generation(sa.Stride(3) | sa.Local(W - 1, 0), SCHEDULES["straddle"], "numba")
+    messages = [str(w.message) for w in caught if "SparseKVCache" in str(w.message)]
+    assert len(messages) == 1 and "Stride(3) can reach any past key" in messages[0]
+    assert (out - oracle).abs().max().item() <= 1e-12
+    assert not cache.bounded and cache.positions.tolist() == list(range(cache.seq_len))
+
+
+@pytest.mark.parametrize("pattern", [sa.Random(1, seed=3, block_size=4) | sa.Local(2, 0),
+                                     sa.Global(last=2) | sa.Local(W - 1, 0),
+                                     sa.Global(last=2) & sa.Local(W - 1, 0)], ids=repr)
+def test_patterns_that_depend_on_the_sequence_length_stay_exact(pattern):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, oracle, _, _ = generation(pattern, SCHEDULES["straddle"])
+    assert (out - oracle).abs().max().item() <= 1e-12
+
+
+def test_per_head_patterns_keep_the_union_over_heads():
+    pattern = sa.PerHead([sa.Local(2, 0), sa.Local(W - 1, 0) | sa.Sink(first=1), sa.Local(0), sa.Global(first=3)
+                          & sa.Local(5, 0)])
+    out, oracle, _, cache = generation(pattern, SCHEDULES["straddle"], "numba")
+    assert (out - oracle).abs().max().item() <= 1e-12
+    last = cache.seq_len - SCHEDULES["straddle"][-1]                   # the last chunk's first position
+    # fixed: the sink and the global tokens (kept though the window has passed them: a safe superset)
+    assert sorted(cache.positions.tolist()) == [0, 1, 2, *range(last - (W - 1), cache.seq_len)]
+
+
+@pytest.mark.parametrize("chunks", [[1] * 60, [W + 5] + [1] * 50])
+def test_memory_stops_growing_once_the_window_is_full(chunks):
+    pattern = sa.Local(W - 1, 0) | sa.Sink(first=4)
+    cache = SparseKVCache(pattern, backend="reference")
+    sizes, storage = [], []
+    for size in chunks:
+        x = torch.randn(1, 2, size, 4)
+        keys, values, positions = cache.update(x, x)
+        cache.attention(x.repeat(1, 2, 1, 1), keys, values, positions)
+        sizes.append(cache.nbytes)
+        storage.append(keys.untyped_storage().data_ptr())                 # the buffer the held keys live in
+        assert len(cache.positions) <= 4 + W + size
+    after = [i for i in range(len(chunks)) if sum(chunks[:i]) >= W + 4 + 1][1:]   # one step to settle a prefill
+    assert len({sizes[i] for i in after}) == 1 and len({storage[i] for i in after}) == 1
+    # k and v, (4 sinks + W - 1 past keys + the new token) x 2 heads x D 4 x 4 bytes
+    assert sizes[after[0]] == 2 * (4 + W) * 2 * 4 * 4
+    assert sorted(cache.positions.tolist()) == [0, 1, 2, 3, *range(cache.seq_len - W, cache.seq_len)]
+
+
+def test_update_returns_the_held_keys_and_their_positions():
+    cache = SparseKVCache(sa.Local(2, 0) | sa.Sink(first=1))
+    k = torch.arange(10, dtype=torch.float64).view(1, 1, 10, 1).expand(1, 1, 10, 2)
+    for p in range(10):
+        keys, values, positions = cache.update(k[:, :, p:p + 1], k[:, :, p:p + 1])
+        assert positions.dtype == torch.int64 and keys.shape == (1, 1, len(positions), 2)
+        assert (keys[0, 0, :, 0] == positions.to(keys.dtype)).all() and torch.equal(keys, values)
+        assert sorted(positions.tolist()) == sorted({0, *range(max(p - 2, 0), p + 1)})  # what query p needs
+    assert cache.seq_len == 10 and torch.equal(cache.positions, positions)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patterns, st.integers(1, 40), st.data())
+def test_layout_at_positions_equals_the_mask_at_those_positions(pattern, n, data):
+    n_q = data.draw(st.integers(1, n))
+    rows = data.draw(st.lists(st.integers(n - n_q, n - 1), min_size=1, max_size=10, unique=True))
+    keys = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=25, unique=True))
+    layout = layout_at_positions(pattern, Context(n_q, n, 0), np.array(rows), np.array(keys), block_size=4)
+    mask = pattern.mask(n_q, n)[0]                                      # (n_q, n), rows at positions n - n_q ..
+    expected = mask[np.array(rows) - (n - n_q)][:, np.array(keys)]
+    assert torch.equal(layout.to_dense()[0, 0], expected)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern"):
+        SparseKVCache("Local(4)")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        SparseKVCache(sa.Local(4), backend="cuda")
+    cache = SparseKVCache(sa.Local(4))
+    x = torch.randn(1, 2, 3, 8)
+    cache.update(x, x)
+    with pytest.raises(ValueError, match=r"does not continue this cache of \(batch, kv_heads, head_dim\) = \(1, 2, 8\)"):
+        cache.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    with pytest.raises(ValueError, match="q has 1 queries but the last update appended 3 tokens"):
+        cache.attention(torch.randn(1, 2, 1, 8), x, x, torch.arange(3))
+    with pytest.raises(ValueError, match="q and k must hold the same new tokens"):
+        cache.attend(torch.randn(1, 2, 2, 8), x, x)
