@@ -100,9 +100,9 @@ class SparseKVCache:
     # --- appending -----------------------------------------------------------------------------
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append k, v (B, Hkv, n_new, D) at the next positions; returns the held keys and values (B, Hkv,
-        n_held, D) and their positions (int64 (n_held,), CPU): the fixed tokens in ascending order, then
-        the ring from its oldest entry (ascending too unless the ring wraps; positions say which is where).
-        A view of the storage when the held slots are contiguous (the steady state), else a gathered copy."""
+        n_held, D) and their positions (int64 (n_held,), CPU), in slot order: the fixed tokens ascending, then
+        the ring's slots (ascending positions until the ring wraps; the positions say which key is where).
+        A view of the storage when the slots in use are contiguous (the steady state), else a gathered copy."""
         self._check_kv(k, v)
         n_new = k.shape[2]
         new = np.arange(self._seen, self._seen + n_new, dtype=np.int64)
@@ -196,8 +196,8 @@ class SparseKVCache:
         return len(self._fixed) + (self._ring_head + np.arange(self._ring_count)) % max(ring_size, 1)
 
     def _held_slots(self) -> np.ndarray:
-        fixed = np.flatnonzero(self._slot_positions[:len(self._fixed)] >= 0)
-        return np.concatenate([fixed, self._ring_slots()])
+        """The slots in use, in slot order (a full storage is then one slice)."""
+        return np.flatnonzero(self._slot_positions >= 0)
 
     # --- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
