@@ -96,3 +96,90 @@ def test_per_layer_errors():
     qwen.sparse_attn_pattern = ["local"]
     with pytest.raises(TypeError, match="config.sparse_attn_pattern must be a sparse_attn Pattern, its to_dict"):
         model_pattern(qwen, layer_idx=0)
+
+
+# SparseCache: generation that keeps only what each layer's pattern can still reach.
+
+from transformers import DynamicCache  # noqa: E402
+
+from sparse_attn.integrations.transformers import SparseCache  # noqa: E402
+
+STREAMING = sa.Local(5, 0) | sa.Sink(first=2)                       # 2 sinks and a window of 6: eviction early
+
+
+def _llama(implementation):
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=implementation).eval()
+
+
+def _generate(model, ids, mask, cache, tokens=40):
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens,
+                         min_new_tokens=tokens, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.scores, 1)                  # (B, N + tokens), (B, tokens, V)
+
+
+def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
+    """Llama-style GQA, a batch with left padding, sinks + a window far shorter than the generation."""
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    ids, mask = _batch(n=12)
+    cache = SparseCache(model)
+    tokens, scores = _generate(model, ids, mask, cache)
+    full_tokens, full_scores = _generate(model, ids, mask, DynamicCache())
+    torch.testing.assert_close(tokens, full_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(scores, full_scores, atol=1e-5, rtol=1e-5)
+    assert len(set(tokens[0, 12:].tolist())) > 3                            # not one token repeated
+    held = 2 + 6                                                           # sinks + window (the next query's)
+    assert all(layer.nbytes == 3 * 2 * held * 8 * 2 * 4 for layer in cache.layers)  # B, Hkv, held, D, k and v, fp32
+    assert cache.get_seq_length() == 12 + 40 - 1
+
+
+def test_memory_stays_bounded():
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    ids, mask = _batch(n=12)
+    sizes = []
+    for tokens in (20, 80):
+        cache = SparseCache(model)
+        _generate(model, ids, mask, cache, tokens)
+        sizes.append(cache.nbytes)
+    assert sizes[0] == sizes[1] > 0
+
+
+@pytest.mark.filterwarnings("ignore:SparseKVCache keeps every key of Dense")              # Qwen2's full layers
+@pytest.mark.parametrize("config", _sliding_configs(), ids=["qwen2-layer-types", "mistral"])
+def test_each_layer_evicts_by_its_own_pattern(config):
+    """A model with sliding and full layers generates what transformers' own model generates with its own
+    sliding-window cache, and what a full DynamicCache generates; sliding layers hold a window, full ones all."""
+    theirs, ours = _twins(config, OWN, "eager")
+    ids, mask = _batch(n=12)
+    cache = SparseCache(ours)
+    tokens, scores = _generate(ours, ids, mask, cache, tokens=20)
+    their_tokens, their_scores = _generate(theirs, ids, mask, None, tokens=20)
+    torch.testing.assert_close(tokens, their_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(scores, their_scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_generate(ours, ids, mask, DynamicCache(), tokens=20)[0], tokens, rtol=0, atol=0)
+    per_token = 3 * 2 * 8 * 2 * 4                                          # B, Hkv, D, k and v, fp32
+    for layer, pattern in zip(cache.layers, own_patterns(config)):
+        assert layer.pattern == pattern
+        if pattern == sa.Dense():                                          # a full layer keeps every key
+            assert layer.kv.positions.tolist() == list(range(cache.get_seq_length()))
+        else:                          # the last step's w keys (the oldest goes at the next update), w slots
+            seen = cache.get_seq_length()
+            assert sorted(layer.kv.positions.tolist()) == list(range(seen - WINDOW, seen))
+            assert layer.nbytes == WINDOW * per_token
+
+
+def test_sparse_cache_errors():
+    with pytest.raises(ValueError, match="SparseCache needs a model built with a sparse_attn attn_implementation .* "
+                                         "got attn_implementation='sdpa'"):
+        SparseCache(_llama("sdpa"))
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    ids, mask = _batch(n=12)
+    cache = SparseCache(model)
+    model.config.sparse_attn_pattern = sa.Local(7, 0)
+    with pytest.raises(ValueError, match=r"runs Local\(7, 0\) but its SparseCache layer evicts by"):
+        _generate(model, ids, mask, cache)
+    del model.config.sparse_attn_pattern
+    with pytest.raises(ValueError, match="SparseCache does not support beam search"):
+        model.generate(ids, attention_mask=mask, past_key_values=SparseCache(model), max_new_tokens=12, num_beams=2,
+                       do_sample=False)

@@ -25,6 +25,10 @@ applies per document, ``Global(first=1)`` is each document's first token, nothin
 Decoders (Llama, ...) and encoders (BERT, RoBERTa, ...) hand the attention the ``position_ids`` they
 are called with. Packed batches with a KV cache are refused at the cached step.
 
+Generation in bounded memory: ``model.generate(..., past_key_values=SparseCache(model))`` keeps, in each
+layer, only the keys that layer's pattern can still reach (:class:`SparseCache`); the attention function
+finds the absolute positions of the keys it receives through :class:`SparseCacheLayer` (see ``_held_keys``).
+
 Models that sparse_attn cannot run are refused when they are built with a registered name: models
 whose layers compute attention themselves instead of calling transformers' ``AttentionInterface``
 (Longformer, BigBird, DeBERTa, ...) and encoder-decoder models (their cross-attention relates two
@@ -39,12 +43,13 @@ import re
 import sys
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from einops import rearrange
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import backends
@@ -52,7 +57,8 @@ from ..api import sparse_attention
 from ..blocks import ceil_div
 from ..checks import check_int
 from ..documents import documents_from_cu_seqlens
-from ..pattern import Dense, Global, Local, Pattern, check_pattern
+from ..kv_cache import SparseKVCache
+from ..pattern import Causal, Dense, Global, Local, Pattern, check_pattern
 
 DEFAULT_PATTERN = Local(256) | Global(first=1)
 # name -> (the pattern given to register: one, one per layer, or None for the model's own; backend)
@@ -114,6 +120,9 @@ def _attention_function(name: str):
         pattern = model_pattern(getattr(module, "config", None), pattern, getattr(module, "layer_idx", None))
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
+        held = _held_keys(key, pattern, causal, module)
+        if held is not None and attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = attention_mask[:, held.positions]                            # (B, Nk): the held keys'
         key_padding_mask = _key_padding_mask(attention_mask, key, causal)                  # (B, n_written) or None
         if key_padding_mask is not None:
             # A static cache hands over all its slots; only the first n_written hold keys.
@@ -122,9 +131,12 @@ def _attention_function(name: str):
         documents = packed_documents(query.shape[0], query.shape[2], key.shape[2], key_padding_mask,
                                      **kwargs)                                         # (B, N) or None
         _check_cache_of_packed_batch(module, query.shape[2], key.shape[2], documents, kwargs.get("use_cache"))
-        # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
-        out = sparse_attention(query, key, value, pattern, causal=causal, key_padding_mask=key_padding_mask,
-                               documents=documents, scale=scaling, backend=backend)       # (B, Hq, Nq, D)
+        if held is None or held.contiguous:
+            # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
+            out = sparse_attention(query, key, value, pattern, causal=causal, key_padding_mask=key_padding_mask,
+                                   documents=documents, scale=scaling, backend=backend)   # (B, Hq, Nq, D)
+        else:  # a SparseCache evicted keys: the pattern applies at the held keys' absolute positions
+            out = held.attend(query, key, value, key_padding_mask, scaling)                # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return rearrange(out, "b h n d -> b n h d").contiguous(), None
@@ -279,7 +291,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                          f"config.sliding_window or layer_types), so key positions no longer start at the sequence "
                          f"start and the keys a pattern may need are gone; build the model with "
                          f"config.sliding_window=None (every layer full attention): the sparse_attn pattern decides "
-                         f"which keys each query sees")
+                         f"which keys each query sees; or generate with past_key_values=SparseCache(model), which "
+                         f"keeps what each layer's pattern can still reach and tells the attention where it is")
     n_written = int(q_offset) + q_length
     if n_written > kv_length:
         raise ValueError(f"queries at positions {int(q_offset)}..{n_written - 1} but only {kv_length} keys: "
@@ -328,6 +341,145 @@ def _padding_of_4d_mask(mask: torch.Tensor, causal: bool) -> torch.Tensor:
                          f"only padding passes through; pass the 2D attention_mask (1 = token, 0 = padding) and put "
                          f"the structure in the pattern")
     return keep
+
+
+class SparseCacheLayer(CacheLayerMixin):
+    """One decoder layer's KV cache: a :class:`~sparse_attn.kv_cache.SparseKVCache` that keeps only the keys
+    ``pattern`` still lets a future query reach; what :class:`SparseCache` holds per layer."""
+
+    is_sliding = False
+
+    def __init__(self, pattern: Pattern, backend: str = "auto"):
+        super().__init__()
+        self.pattern, self.backend = pattern, backend
+        self.kv: SparseKVCache | None = None
+
+    def __repr__(self) -> str:
+        return f"SparseCacheLayer({self.pattern!r}, {self.get_seq_length()} tokens seen, {self.nbytes} bytes held)"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # transformers caches keys in decoders, whose attention is causal (the queries of a chunk see no later key)
+        self.kv = SparseKVCache(self.pattern & Causal(), backend=self.backend)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new keys/values (B, Hkv, n_new, D); return the held ones, their positions remembered."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values, positions = self.kv.update(key_states, value_states)               # (B, Hkv, Nk, D), (Nk,)
+        _HELD_KEYS[id(keys)] = _Held(weakref.ref(keys, _forget(id(keys))), positions, self.pattern, self.kv)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        """Tokens seen so far (the next token's position), not the number held."""
+        return self.kv.seq_len if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The padding mask covers every position from 0: the attention picks the held keys' columns."""
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held."""
+        return self.kv.nbytes if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self.kv, self.is_initialized = None, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("SparseCache does not support beam search (num_beams > 1) or other reordering of its batch; "
+                         "generate greedily or by sampling, or use a DynamicCache for beam search")
+
+
+class SparseCache(Cache):
+    """A ``transformers.Cache`` whose layers keep only the keys their sparse_attn pattern can still reach.
+
+    >>> cache = SparseCache(model)                                               # doctest: +SKIP
+    >>> model.generate(ids, past_key_values=cache, max_new_tokens=100_000)      # doctest: +SKIP
+
+    ``model`` (or its config) runs a name registered with :func:`register` as its ``attn_implementation``;
+    layer ``i`` evicts by the pattern the attention of layer ``i`` runs (``model_pattern``), so generation
+    equals generation with a full ``DynamicCache`` and the same patterns, token for token. A layer whose
+    pattern reaches every past key (``Dense``, ``Stride``, ...) keeps everything (SparseKVCache says so).
+    """
+
+    def __init__(self, model_or_config):
+        config = getattr(model_or_config, "config", model_or_config)
+        name = getattr(config, "_attn_implementation", None)
+        if name not in _REGISTERED:
+            raise ValueError(f"SparseCache needs a model built with a sparse_attn attn_implementation (a name given to "
+                             f"register(), such as 'sparse_attn'), got attn_implementation={name!r}: its attention "
+                             f"would not know where the held keys are; build it with attn_implementation="
+                             f"'sparse_attn' after register(), or use a DynamicCache")
+        default, backend = _REGISTERED[name]
+        layers = config.get_text_config(decoder=True).num_hidden_layers
+        super().__init__(layers=[SparseCacheLayer(model_pattern(config, default, i), backend) for i in range(layers)])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held by all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.reorder_cache(None)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(None)
+
+
+class _Held(NamedTuple):
+    """What a SparseCacheLayer's update returned: the keys' absolute positions, the layer's pattern and cache."""
+    keys: weakref.ref
+    positions: torch.Tensor                                                          # (Nk,) int64
+    pattern: Pattern
+    kv: SparseKVCache
+
+    @property
+    def contiguous(self) -> bool:
+        """The keys are positions 0 .. Nk - 1 (nothing evicted): plain bottom-right aligned attention."""
+        return torch.equal(self.positions, torch.arange(len(self.positions)))
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_padding_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+        """The new queries (B, Hq, Nq, D) over the held keys at their absolute positions -> (B, Hq, Nq, D).
+
+        SparseKVCache.attention takes no padding mask: with padding, each example runs over its real keys
+        only (a padded key is never attended, so leaving it out is the same)."""
+        if key_padding_mask is None:
+            return self.kv.attention(query, key, value, self.positions, scale=scale)
+        rows = []
+        for b, padding in enumerate(key_padding_mask):
+            real = (~padding).nonzero().flatten().to(key.device)                        # (n_real,)
+            rows.append(self.kv.attention(query[b:b + 1], key[b:b + 1].index_select(2, real),
+                                          value[b:b + 1].index_select(2, real), self.positions[real.cpu()],
+                                          scale=scale))
+        return torch.cat(rows)                                                         # (B, Hq, Nq, D)
+
+
+_HELD_KEYS: dict[int, _Held] = {}  # id(keys returned by a SparseCacheLayer) -> their positions (while they live)
+
+
+def _forget(ident: int):
+    return lambda _: _HELD_KEYS.pop(ident, None)
+
+
+def _held_keys(key: torch.Tensor, pattern: Pattern, causal: bool, module: nn.Module) -> _Held | None:
+    """The positions of ``key`` if a SparseCacheLayer returned it, after checking it evicts by ``pattern``."""
+    held = _HELD_KEYS.get(id(key))
+    if held is None or held.keys() is not key:
+        return None
+    if not causal:
+        raise ValueError(f"{type(module).__name__} is not causal (is_causal=False) but its keys come from a "
+                         f"SparseCache, which evicts for causal decoding; use SparseCache with decoder models")
+    if held.pattern != pattern:
+        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs {pattern!r} but "
+                         f"its SparseCache layer evicts by {held.pattern!r}, so keys the attention needs may be gone; "
+                         f"build the SparseCache after setting the model's pattern (SparseCache(model))")
+    return held
 
 
 def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern | None = None, *,
