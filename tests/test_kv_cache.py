@@ -31,7 +31,7 @@ SCHEDULES = {                                  # chunk sizes: token by token, pr
 
 
 def generation(pattern, chunks, backend="reference", dtype=torch.float64, batch=2, q_heads=4, kv_heads=2, dim=8,
-               seed=0):
+               seed=0, device="cpu"):
     """(cache outputs, full-past reference outputs in float64, the same in ``dtype`` by the reference backend,
     the cache) for one generation in ``chunks``."""
     g = torch.Generator().manual_seed(seed)
@@ -42,7 +42,7 @@ def generation(pattern, chunks, backend="reference", dtype=torch.float64, batch=
     outs, oracle, baseline, start = [], [], [], 0
     for size in chunks:
         new = slice(start, start + size)
-        outs.append(cache.attend(q[:, :, new].to(dtype), k[:, :, new].to(dtype), v[:, :, new].to(dtype)))
+        outs.append(cache.attend(*(x[:, :, new].to(device, dtype) for x in (q, k, v))).cpu())
         past = slice(0, start + size)
         oracle.append(sa.sparse_attention(q[:, :, new], k[:, :, past], v[:, :, past], pattern, backend="reference"))
         baseline.append(sa.sparse_attention(q[:, :, new].to(dtype), k[:, :, past].to(dtype), v[:, :, past].to(dtype),
@@ -67,6 +67,17 @@ def test_generation_float32_within_the_tolerance_rule(pattern, backend):
     out, oracle, baseline, _ = generation(pattern, SCHEDULES["straddle"], backend, dtype=torch.float32)
     assert out.dtype == torch.float32
     assert_within_rule("out", out, oracle, baseline)
+
+
+def test_generation_with_the_triton_backend():
+    """On a GPU where one is lent, else in Triton's interpreter (tests/conftest.py) with tiny shapes."""
+    pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out, oracle, baseline, cache = generation(sa.Local(W - 1, 0) | sa.Sink(first=2), [W + 3, 1, 1, W + 1, 1],
+                                              "triton", torch.float32, batch=1, q_heads=2, kv_heads=1, dim=16,
+                                              device=device)
+    assert_within_rule("out", out, oracle, baseline)
+    assert len(cache.positions) == 2 + W - 1 + 1
 
 
 def test_unbounded_pattern_warns_once_keeps_everything_and_stays_exact():
