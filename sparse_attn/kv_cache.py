@@ -45,7 +45,8 @@ from .pattern import Blocks, check_pattern
 from .retention import retention
 from .rules import Context, resolve
 
-_MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
+_MASK_PAIRS = 1 << 22    # (query, key) pairs evaluated at once where the held keys have gaps
+_CACHED_PAIRS = 1 << 16  # masks up to this size (a decode step's) share layouts through the layout cache
 
 
 class SparseKVCache:
@@ -212,10 +213,11 @@ class SparseKVCache:
         return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  scale: float | None = None, return_lse: bool = False):
+                  scale: float | None = None, return_lse: bool = False, key_padding_mask: torch.Tensor | None = None):
         """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
-        positions), with the pattern's semantics at their absolute positions. Where the held keys are the
-        whole past in order, the pattern's own layout; elsewhere a layout of the held positions
+        positions), with the pattern's semantics at their absolute positions. ``key_padding_mask`` (B, n_held)
+        bool, True = padding, masks held keys as ``sparse_attention``'s does (a padded batch). Where the held
+        keys are the whole past in order, the pattern's own layout; elsewhere a layout of the held positions
         (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask."""
         return_lse = check_bool("return_lse", return_lse)
         n_q, n_held = q.shape[2], keys.shape[2]
@@ -225,7 +227,7 @@ class SparseKVCache:
         positions = positions.numpy()
         if n_held == self._seen and (positions == np.arange(n_held)).all():
             return sparse_attention(q, keys, values, self.pattern, scale=scale, backend=self.backend,
-                                    return_lse=return_lse)
+                                    return_lse=return_lse, key_padding_mask=key_padding_mask)
         name = self.backend if self.backend != "auto" else "triton" if q.device.type == "cuda" else "numba"
         block_size = backends.load(name).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
@@ -233,7 +235,8 @@ class SparseKVCache:
         parts = []
         for start in range(0, n_q, step):
             rows = slice(start, min(start + step, n_q))
-            layout = layout_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1], block_size)
+            layout = layout_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1], block_size,
+                                         key_padding_mask=key_padding_mask)
             parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, backend=self.backend,
                                           return_lse=True))
         out, lse = (torch.cat(column, dim=2) for column in zip(*parts))
@@ -241,12 +244,15 @@ class SparseKVCache:
 
 
 def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
-                        heads: int = 1, block_size: int = 64) -> BlockLayout:
+                        heads: int = 1, block_size: int = 64, key_padding_mask=None) -> BlockLayout:
     """The layout of queries and keys at chosen positions of a sequence: row r is the query at
     ``query_positions[r]``, column c the key at ``key_positions[c]`` (any order, gaps allowed), and a pair
     is allowed iff ``pattern``, resolved for ``context`` (the whole sequence's n_q and n_k), allows those
-    positions. The token mask is built (O(rows x keys)) and compiled as a ``Blocks`` grid of one-token
-    blocks, never cached.
+    positions (and ``key_padding_mask``, (B, keys), does not mask the key).
+
+    The token mask is built (O(rows x keys)) and compiled as a ``Blocks`` grid of one-token blocks. Small
+    masks (a decode step's row) go through the layout cache, so the steps and layers that see the same
+    mask share one layout.
 
     >>> import sparse_attn as sa
     >>> lay = layout_at_positions(sa.Local(2, 0) | sa.Sink(first=1), Context(1, 100, 0), np.array([99]),
@@ -259,4 +265,5 @@ def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, 
                      for h in range(heads if pattern.head_dependent else 1)])        # (H or 1, rows, keys)
     grid = np.broadcast_to(grid, (grid.shape[0], i.shape[0], j.shape[1]))
     spec = Blocks(grid if pattern.head_dependent else grid[0], 1)
-    return build_layout(spec, i.shape[0], j.shape[1], heads=heads, block_size=block_size, cache=False)
+    return build_layout(spec, i.shape[0], j.shape[1], heads=heads, block_size=block_size,
+                        key_padding_mask=key_padding_mask, cache=grid.size <= _CACHED_PAIRS)

@@ -129,6 +129,23 @@ def test_memory_stops_growing_once_the_window_is_full(chunks):
     assert sorted(cache.positions.tolist()) == [0, 1, 2, 3, *range(cache.seq_len - W, cache.seq_len)]
 
 
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_a_key_padding_mask_over_the_held_keys_equals_the_one_over_the_full_past(backend):
+    pattern, g = sa.Local(W - 1, 0) | sa.Sink(first=2), torch.Generator().manual_seed(1)
+    n = 30
+    q = torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64)                               # (B, Hq, N, D)
+    k, v = (torch.randn(2, 1, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    padding = torch.zeros(2, n, dtype=torch.bool)
+    padding[1, :5] = True                                      # example 1 is left-padded, sinks included
+    cache = SparseKVCache(pattern, backend=backend)
+    for p in range(n):
+        keys, values, positions = cache.update(k[:, :, p:p + 1], v[:, :, p:p + 1])
+        out = cache.attention(q[:, :, p:p + 1], keys, values, positions, key_padding_mask=padding[:, positions])
+        expected = sa.sparse_attention(q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1], pattern,
+                                       key_padding_mask=padding[:, :p + 1], backend="reference")
+        assert (out - expected).abs().max().item() <= 1e-12
+
+
 def test_update_returns_the_held_keys_and_their_positions():
     cache = SparseKVCache(sa.Local(2, 0) | sa.Sink(first=1))
     k = torch.arange(10, dtype=torch.float64).view(1, 1, 10, 1).expand(1, 1, 10, 2)
