@@ -26,8 +26,8 @@ appends, so what it returns is everything its queries need; the next update drop
 holds ``window + chunk`` slots: sized on the first update, reallocated only when the chunk size changes
 (a prefill chunk, then single tokens), never step by step.
 
-Imports run one way: this module imports ``api``, ``compiler``, ``pattern``, ``retention``, ``rules`` and
-``backends``; none of them imports it.
+Imports run one way: this module imports ``api``, ``layout``, ``pattern``, ``retention``, ``rules``,
+``blocks``, ``checks`` and ``backends``; none of them imports it.
 """
 from __future__ import annotations
 
@@ -38,15 +38,14 @@ import torch
 
 from . import backends
 from .api import check_inputs, sparse_attention
-from .checks import check_bool
-from .compiler import build_layout
+from .blocks import ceil_div
+from .checks import check_bool, check_int, check_token_mask
 from .layout import BlockLayout
-from .pattern import Blocks, check_pattern
+from .pattern import check_pattern
 from .retention import retention
 from .rules import Context, resolve
 
-_MASK_PAIRS = 1 << 22    # (query, key) pairs evaluated at once where the held keys have gaps
-_CACHED_PAIRS = 1 << 16  # masks up to this size (a decode step's) share layouts through the layout cache
+_MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
 
 
 class SparseKVCache:
@@ -248,11 +247,8 @@ def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, 
     """The layout of queries and keys at chosen positions of a sequence: row r is the query at
     ``query_positions[r]``, column c the key at ``key_positions[c]`` (any order, gaps allowed), and a pair
     is allowed iff ``pattern``, resolved for ``context`` (the whole sequence's n_q and n_k), allows those
-    positions (and ``key_padding_mask``, (B, keys), does not mask the key).
-
-    The token mask is built (O(rows x keys)) and compiled as a ``Blocks`` grid of one-token blocks. Small
-    masks (a decode step's row) go through the layout cache, so the steps and layers that see the same
-    mask share one layout.
+    positions (and ``key_padding_mask``, (B, keys) bool, True = padding, does not mask the key). Built from
+    the token mask, in time and memory O(rows x keys): for a cache's new queries over its held keys.
 
     >>> import sparse_attn as sa
     >>> lay = layout_at_positions(sa.Local(2, 0) | sa.Sink(first=1), Context(1, 100, 0), np.array([99]),
@@ -260,10 +256,50 @@ def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, 
     >>> lay.to_dense()[0, 0].int().tolist()
     [[1, 1, 1, 1, 0]]
     """
+    heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
+    pattern.check_heads(heads)
     i, j = np.asarray(query_positions, dtype=np.int64)[:, None], np.asarray(key_positions, dtype=np.int64)[None, :]
-    grid = np.stack([resolve(pattern, context._replace(head=h)).allows(i, j)
-                     for h in range(heads if pattern.head_dependent else 1)])        # (H or 1, rows, keys)
-    grid = np.broadcast_to(grid, (grid.shape[0], i.shape[0], j.shape[1]))
-    spec = Blocks(grid if pattern.head_dependent else grid[0], 1)
-    return build_layout(spec, i.shape[0], j.shape[1], heads=heads, block_size=block_size,
-                        key_padding_mask=key_padding_mask, cache=grid.size <= _CACHED_PAIRS)
+    mask = np.stack([np.broadcast_to(resolve(pattern, context._replace(head=h)).allows(i, j), (i.size, j.size))
+                     for h in range(heads if pattern.head_dependent else 1)])[None]   # (1, H or 1, rows, keys)
+    if key_padding_mask is not None:
+        check_token_mask("key_padding_mask", key_padding_mask, None, j.size)
+        padding = np.asarray(torch.as_tensor(key_padding_mask).cpu())                  # (B, keys)
+        mask = mask & ~padding[:, None, None, :]                                        # (B, H or 1, rows, keys)
+    return _layout_of_mask(mask, heads, block_size, pattern)
+
+
+def _layout_of_mask(mask: np.ndarray, heads: int, block_size: int, pattern) -> BlockLayout:
+    """The BlockLayout of a token mask (Bl, Hl, n_q, n_k): blocks with every pair allowed are full, the
+    others with any pair are partial with their own tile (equal tiles stored once)."""
+    n_groups, (n_q, n_k), bs = mask.shape[0] * mask.shape[1], mask.shape[2:], block_size
+    n_qb, n_kb, tq, tk = ceil_div(n_q, bs), ceil_div(n_k, bs), min(bs, n_q), min(bs, n_k)
+    padded = np.zeros((n_groups, n_qb * tq, n_kb * tk), dtype=bool)
+    padded[:, :n_q, :n_k] = mask.reshape(n_groups, n_q, n_k)
+    tiles = padded.reshape(n_groups, n_qb, tq, n_kb, tk).swapaxes(2, 3)                  # (G, n_qb, n_kb, tq, tk)
+    count = tiles.sum((3, 4))
+    rows_in = np.minimum(tq, n_q - np.arange(n_qb) * tq)
+    area = rows_in[:, None] * np.minimum(tk, n_k - np.arange(n_kb) * tk)[None, :]          # (n_qb, n_kb)
+    full, part = count == area, (count > 0) & (count < area)
+    masks, tile_of = np.unique(tiles[part], axis=0, return_inverse=True)                  # (n_masks, tq, tk)
+    tensors = {"masks": torch.from_numpy(np.ascontiguousarray(masks))}
+    for kind, chosen in (("full", full), ("part", part)):
+        g, r, c = np.nonzero(chosen)                                                     # sorted by (g, r, c)
+        by_col = np.lexsort((r, c, g))
+        tensors[f"{kind}_ptr"] = _row_pointers(g * n_qb + r, n_groups, n_qb, mask.shape[:2])
+        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
+        tensors[f"{kind}_t_ptr"] = _row_pointers(g * n_kb + c, n_groups, n_kb, mask.shape[:2])
+        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
+        if kind == "part":
+            tile_of = tile_of.reshape(-1).astype(np.int32)
+            tensors["part_mask"], tensors["part_t_mask"] = torch.from_numpy(tile_of), torch.from_numpy(tile_of[by_col])
+    return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=False,
+                               **tensors)
+
+
+def _row_pointers(row: np.ndarray, n_groups: int, n_rows: int, shape: tuple[int, int]) -> torch.Tensor:
+    """CSR pointers (Bl, Hl, n_rows + 1) of entries in rows ``row`` (group * n_rows + row), each group starting
+    where the previous one ends."""
+    counts = np.bincount(row, minlength=n_groups * n_rows).reshape(n_groups, n_rows)
+    ptr = np.concatenate([np.zeros((n_groups, 1), dtype=np.int64), np.cumsum(counts, 1)], 1)
+    ptr += np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]])[:, None]
+    return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import sparse_attn as sa
 from sparse_attn.kv_cache import SparseKVCache, layout_at_positions
+from sparse_attn.layout import BlockLayout
 from sparse_attn.rules import Context
 from tests.test_layout import patterns
 from tests.tolerance import assert_within_rule
@@ -157,16 +158,20 @@ def test_update_returns_the_held_keys_and_their_positions():
     assert cache.seq_len == 10 and torch.equal(cache.positions, positions)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(patterns, st.integers(1, 40), st.data())
-def test_layout_at_positions_equals_the_mask_at_those_positions(pattern, n, data):
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patterns, st.integers(1, 40), st.sampled_from([1, 4, 8, 64]), st.data())
+def test_layout_at_positions_equals_the_mask_at_those_positions(pattern, n, block_size, data):
     n_q = data.draw(st.integers(1, n))
-    rows = data.draw(st.lists(st.integers(n - n_q, n - 1), min_size=1, max_size=10, unique=True))
-    keys = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=25, unique=True))
-    layout = layout_at_positions(pattern, Context(n_q, n, 0), np.array(rows), np.array(keys), block_size=4)
-    mask = pattern.mask(n_q, n)[0]                                      # (n_q, n), rows at positions n - n_q ..
-    expected = mask[np.array(rows) - (n - n_q)][:, np.array(keys)]
-    assert torch.equal(layout.to_dense()[0, 0], expected)
+    rows = np.array(data.draw(st.lists(st.integers(n - n_q, n - 1), min_size=1, max_size=10, unique=True)))
+    keys = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=25, unique=True)))
+    heads = 2 if pattern.head_dependent else 1
+    padding = torch.from_numpy(np.random.default_rng(n).random((2, len(keys))) < 0.2)          # (B, keys)
+    layout = layout_at_positions(pattern, Context(n_q, n, 0), rows, keys, heads, block_size, key_padding_mask=padding)
+    BlockLayout(pattern=None, n_q=len(rows), n_k=len(keys), heads=heads, block_size=block_size,   # the checked
+                causal=False, **layout.index._asdict())                                          # constructor
+    mask = pattern.mask(n_q, n, heads=heads)                              # (H, n_q, n), rows at n - n_q ..
+    expected = mask[:, rows - (n - n_q)][:, :, keys][None] & ~padding[:, None, None, :]
+    assert torch.equal(layout.to_dense(), expected)
 
 
 def test_arguments_are_checked():
