@@ -215,8 +215,8 @@ class SparseKVCache:
                   scale: float | None = None, return_lse: bool = False, key_padding_mask: torch.Tensor | None = None):
         """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
         positions), with the pattern's semantics at their absolute positions. ``key_padding_mask`` (B, n_held)
-        bool, True = padding, masks held keys as ``sparse_attention``'s does (a padded batch). Where the held
-        keys are the whole past in order, the pattern's own layout; elsewhere a layout of the held positions
+        bool, True = padding, masks held keys as ``sparse_attention``'s does (a padded batch). Where the cache
+        holds the whole past (nothing dropped yet: a prefill), the pattern's own layout; elsewhere a layout of the held positions
         (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask."""
         return_lse = check_bool("return_lse", return_lse)
         n_q, n_held = q.shape[2], keys.shape[2]
@@ -224,7 +224,12 @@ class SparseKVCache:
             raise ValueError(f"q has {n_q} queries but the last update appended {len(self._new)} tokens; call "
                              f"attention right after the update that appended them")
         positions = positions.numpy()
-        if n_held == self._seen and (positions == np.arange(n_held)).all():
+        if n_held == self._seen:                        # the whole past: the pattern's own layout, keys in order
+            if (positions != np.arange(n_held)).any():  # fixed slots first: sort (a copy, once per prefill)
+                order = np.argsort(positions)
+                index = torch.from_numpy(order).to(keys.device)
+                keys, values = keys.index_select(2, index), values.index_select(2, index)
+                key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, order]
             return sparse_attention(q, keys, values, self.pattern, scale=scale, backend=self.backend,
                                     return_lse=return_lse, key_padding_mask=key_padding_mask)
         name = self.backend if self.backend != "auto" else "triton" if q.device.type == "cuda" else "numba"
