@@ -120,8 +120,9 @@ class SparseKVCache:
         self._seen += n_new
         self._new = new
         held = self._held_slots()
-        if len(held) and (held == np.arange(held[0], held[0] + len(held))).all():
-            keys, values = self._keys[:, :, held[0]:held[0] + len(held)], self._values[:, :, held[0]:held[0] + len(held)]
+        if len(held) and held[-1] - held[0] == len(held) - 1:                # contiguous slots: a view
+            run = slice(held[0], held[-1] + 1)
+            keys, values = self._keys[:, :, run], self._values[:, :, run]
         else:
             index = torch.from_numpy(held).to(self._keys.device)
             keys, values = self._keys.index_select(2, index), self._values.index_select(2, index)
@@ -212,7 +213,8 @@ class SparseKVCache:
         return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  scale: float | None = None, return_lse: bool = False, key_padding_mask: torch.Tensor | None = None):
+                  scale: float | None = None, return_lse: bool = False,
+                  key_padding_mask: torch.Tensor | None = None):
         """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
         positions), with the pattern's semantics at their absolute positions. ``key_padding_mask`` (B, n_held)
         bool, True = padding, masks held keys as ``sparse_attention``'s does (a padded batch). Where the cache

@@ -167,7 +167,8 @@ def test_layout_at_positions_equals_the_mask_at_those_positions(pattern, n, bloc
     keys = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=25, unique=True)))
     heads = 2 if pattern.head_dependent else 1
     padding = torch.from_numpy(np.random.default_rng(n).random((2, len(keys))) < 0.2)          # (B, keys)
-    layout = layout_at_positions(pattern, Context(n_q, n, 0), rows, keys, heads, block_size, key_padding_mask=padding)
+    layout = layout_at_positions(pattern, Context(n_q, n, 0), rows, keys, heads, block_size,
+                                 key_padding_mask=padding)
     BlockLayout(pattern=None, n_q=len(rows), n_k=len(keys), heads=heads, block_size=block_size,   # the checked
                 causal=False, **layout.index._asdict())                                          # constructor
     mask = pattern.mask(n_q, n, heads=heads)                              # (H, n_q, n), rows at n - n_q ..
