@@ -67,6 +67,7 @@ class Retention:
                  (-1: none).
     rows:        the positions of global queries in the pattern (where kept() looks beyond t).
     reason:      for an unbounded pattern, the part that makes it so ("" when bounded).
+    exact:       whether kept() evaluates the pattern (exact and minimal) or returns the stored superset.
     """
 
     pattern: object
@@ -102,7 +103,7 @@ class Retention:
         queries = [t] + [g for g in self.rows if g > t]
         out = np.zeros(keys.shape, dtype=bool)
         for i in queries:
-            for head in range(self.heads if getattr(self.pattern, "head_dependent", False) else 1):
+            for head in range(self.heads if self.pattern.head_dependent else 1):
                 out |= resolve(self.pattern, Context(1, i + 1, head)).allows(np.int64(i), keys)
         return out
 
