@@ -190,3 +190,16 @@ def test_arguments_are_checked():
         cache.attention(torch.randn(1, 2, 1, 8), x, x, torch.arange(3))
     with pytest.raises(ValueError, match="q and k must hold the same new tokens"):
         cache.attend(torch.randn(1, 2, 2, 8), x, x)
+
+
+def test_global_queries_to_come_keep_everything_until_they_have_run():
+    cache = sa.SparseKVCache(sa.Local(2, 0) | sa.Global(tokens=(12,)), backend="reference")
+    assert sa.SparseKVCache is SparseKVCache and cache.bounded
+    held = []
+    for _ in range(20):
+        x = torch.randn(1, 1, 1, 4, dtype=torch.float64)
+        cache.attend(x, x, x)
+        held.append(len(cache.positions))
+    assert held[:13] == list(range(1, 14))                  # up to the global query at 12: every key
+    assert held[13:] == [3, 3] + [4] * 5                    # then token 12, the 2 before the newest, the newest
+    assert sorted(cache.positions.tolist()) == [12, 17, 18, 19]
