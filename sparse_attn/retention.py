@@ -119,8 +119,8 @@ class _Bound:
 
 
 def retention(pattern, heads: int | None = None) -> Retention:
-    """The retention of ``pattern`` for ``heads`` query heads; None: as many as a ``PerHead`` in the pattern
-    names, else 1 (only ``kept``'s evaluation of a PerHead pattern depends on the heads).
+    """The retention of ``pattern`` for ``heads`` query heads; None: as many as a ``PerHead`` (or a per-head
+    ``Blocks`` grid) in the pattern names, else 1 (only ``kept``'s evaluation of such a pattern depends on them).
 
     >>> import sparse_attn as sa
     >>> r = retention(sa.Global(first=2) | sa.Local(3, 0))
@@ -145,6 +145,8 @@ def _exact(spec) -> bool:
 def _heads_named(spec) -> int:
     if spec.kind == "per_head":
         return len(spec.patterns)
+    if spec.kind == "blocks" and spec.blocks.ndim == 3:          # a grid per head
+        return spec.blocks.shape[0]
     return max((_heads_named(p) for p in _children(spec)), default=1)
 
 

@@ -114,6 +114,12 @@ def test_sink_and_window_keeps_a_constant_set():
     assert [len(r.kept(t, t)) for t in (4099, 10_000, 1_000_000)] == [4099] * 3
 
 
+def test_heads_default_to_those_the_pattern_names():
+    assert retention(sa.PerHead([sa.Local(1), sa.Local(2), sa.Sink(first=1)])).heads == 3
+    assert retention(sa.Blocks(np.ones((2, 1, 1), dtype=bool), 64) | sa.Local(2)).heads == 2
+    assert retention(sa.Local(2)).heads == 1
+
+
 def test_arguments_are_checked():
     with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern"):
         retention("Local(4)")
