@@ -203,3 +203,13 @@ def test_global_queries_to_come_keep_everything_until_they_have_run():
     assert held[:13] == list(range(1, 14))                  # up to the global query at 12: every key
     assert held[13:] == [3, 3] + [4] * 5                    # then token 12, the 2 before the newest, the newest
     assert sorted(cache.positions.tolist()) == [12, 17, 18, 19]
+
+
+def test_non_contiguous_inputs():
+    pattern, g = sa.Local(3, 0) | sa.Sink(tokens=(2,)), torch.Generator().manual_seed(2)
+    q = torch.randn(1, 9, 2, 16, generator=g, dtype=torch.float64).transpose(1, 2)     # (1, 2, 9, 16), strided
+    k, v = (torch.randn(1, 9, 1, 16, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    cache = SparseKVCache(pattern, backend="numba")
+    out = torch.cat([cache.attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in [(0, 3), (3, 4), (4, 9)]], 2)
+    assert (out - sa.sparse_attention(q, k, v, pattern, backend="reference")).abs().max().item() <= 1e-12
+    assert sorted(cache.positions.tolist()) == [1, 2, *range(3, 9)]     # 1 and 3: the window of the chunk at 4
