@@ -8,7 +8,8 @@ import torch
 import sparse_attn as sa
 from sparse_attn import backends
 
-transformers = pytest.importorskip("transformers", minversion="5.0", reason='needs transformers >= 5: pip install ".[hf]"')
+transformers = pytest.importorskip("transformers", minversion="5.0",
+                                   reason='needs transformers >= 5: pip install ".[hf]"')
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 from sparse_attn.integrations.transformers import model_pattern, own_patterns, register  # noqa: E402
