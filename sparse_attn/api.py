@@ -57,7 +57,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     batch, q_heads, n_q, head_dim = check_inputs(q, k, v)
     n_k = k.shape[2]
     return_lse = check_bool("return_lse", return_lse)
-    module = backends.load(_choose_backend(backend, q))
+    module = backends.load(backends.choose(backend, q.device))
     scale = resolve_scale(scale, head_dim)
     if q.device.type == "meta":
         check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
@@ -153,12 +153,6 @@ def check_inputs(q, k, v=None) -> tuple[int, int, int, int]:
         raise ValueError(f"q and k need batch, heads, seq_len and head_dim >= 1, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
     return batch, q_heads, n_q, head_dim
-
-
-def _choose_backend(backend: str, q: torch.Tensor) -> str:
-    if backends.check_name(backend) != "auto":
-        return backend
-    return "triton" if q.device.type == "cuda" else "numba"
 
 
 def _check_layout(layout: BlockLayout, batch: int, heads: int, n_q: int, n_k: int) -> None:

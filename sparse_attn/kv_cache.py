@@ -234,8 +234,7 @@ class SparseKVCache:
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, order]
             return sparse_attention(q, keys, values, self.pattern, scale=scale, backend=self.backend,
                                     return_lse=return_lse, key_padding_mask=key_padding_mask)
-        name = self.backend if self.backend != "auto" else "triton" if q.device.type == "cuda" else "numba"
-        block_size = backends.load(name).BLOCK_SIZE
+        block_size = backends.load(backends.choose(self.backend, q.device)).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
         parts = []

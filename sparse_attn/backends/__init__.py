@@ -11,6 +11,10 @@ imported when asked for.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MODULES = ("reference", "numba", "triton")
 
@@ -28,6 +32,19 @@ def check_name(backend) -> str:
     if backend != "auto" and backend not in MODULES:
         raise ValueError(f"backend must be one of {['auto', *MODULES]}, got {backend!r}")
     return backend
+
+
+def choose(backend: str, device: torch.device) -> str:
+    """The backend that runs tensors on ``device``: ``backend`` itself, or for "auto" triton on CUDA and
+    numba elsewhere.
+
+    >>> import torch
+    >>> choose("auto", torch.device("cpu")), choose("reference", torch.device("cpu"))
+    ('numba', 'reference')
+    """
+    if check_name(backend) != "auto":
+        return backend
+    return "triton" if device.type == "cuda" else "numba"
 
 
 def load(name: str) -> ModuleType:
