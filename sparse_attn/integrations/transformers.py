@@ -445,19 +445,8 @@ class _Held(NamedTuple):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_padding_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-        """The new queries (B, Hq, Nq, D) over the held keys at their absolute positions -> (B, Hq, Nq, D).
-
-        SparseKVCache.attention takes no padding mask: with padding, each example runs over its real keys
-        only (a padded key is never attended, so leaving it out is the same)."""
-        if key_padding_mask is None:
-            return self.kv.attention(query, key, value, self.positions, scale=scale)
-        rows = []
-        for b, padding in enumerate(key_padding_mask):
-            real = (~padding).nonzero().flatten().to(key.device)                        # (n_real,)
-            rows.append(self.kv.attention(query[b:b + 1], key[b:b + 1].index_select(2, real),
-                                          value[b:b + 1].index_select(2, real), self.positions[real.cpu()],
-                                          scale=scale))
-        return torch.cat(rows)                                                         # (B, Hq, Nq, D)
+        """The new queries (B, Hq, Nq, D) over the held keys at their absolute positions -> (B, Hq, Nq, D)."""
+        return self.kv.attention(query, key, value, self.positions, scale=scale, key_padding_mask=key_padding_mask)
 
 
 _HELD_KEYS: dict[int, _Held] = {}  # id(keys returned by a SparseCacheLayer) -> their positions (while they live)
