@@ -114,7 +114,7 @@ def _prefix(n: int, gen: torch.Generator):
     return torch.cat(keys, 2), torch.cat(values, 2)                               # (1, Hkv, N, D)
 
 
-def _sparse_kv_cache(n: int, steps: int, gen: torch.Generator):
+def _sparse_kv_cache(n: int, gen: torch.Generator):
     from sparse_attn.kv_cache import SparseKVCache
 
     cache = SparseKVCache(PATTERN, backend="numba")
@@ -141,19 +141,19 @@ def _transformers_layer(layer, n: int, gen: torch.Generator, attention):
     return step, lambda: layer.keys.nbytes + layer.values.nbytes
 
 
-def _full_cache(n: int, steps: int, gen: torch.Generator):
+def _full_cache(n: int, gen: torch.Generator):
     from transformers.cache_utils import DynamicLayer
 
     return _transformers_layer(DynamicLayer(), n, gen, _pattern_attention)
 
 
-def _dynamic_cache(n: int, steps: int, gen: torch.Generator):
+def _dynamic_cache(n: int, gen: torch.Generator):
     from transformers.cache_utils import DynamicLayer
 
     return _transformers_layer(DynamicLayer(), n, gen, _sdpa)
 
 
-def _sliding_window(n: int, steps: int, gen: torch.Generator):
+def _sliding_window(n: int, gen: torch.Generator):
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     return _transformers_layer(DynamicSlidingWindowLayer(sliding_window=WINDOW), n, gen, _sdpa)
@@ -168,7 +168,7 @@ def decode_point(impl: str, n: int, steps: int) -> dict:
     if impl != "SparseKVCache":
         import transformers.cache_utils  # noqa: F401  (imported before the fill is timed)
     start = time.perf_counter()
-    step, nbytes = BUILDERS[impl](n, steps, gen)
+    step, nbytes = BUILDERS[impl](n, gen)
     fill_s = time.perf_counter() - start
     times = []
     for i in range(WARMUP_STEPS + steps):

@@ -25,7 +25,7 @@ def test_every_implementation_computes_the_decode_step(impl):
     pytest.importorskip("transformers")
     n = 5000
     gen = torch.Generator().manual_seed(0)
-    step, nbytes = bench.BUILDERS[impl](n, 1, gen)
+    step, nbytes = bench.BUILDERS[impl](n, gen)
     keys, values = bench._prefix(n, torch.Generator().manual_seed(0))                   # (1, Hkv, N, D)
     q = torch.randn(1, bench.Q_HEADS, 1, bench.DIM, generator=gen)
     k, v = (torch.randn(1, bench.KV_HEADS, 1, bench.DIM, generator=gen) for _ in range(2))
