@@ -1,6 +1,5 @@
 """sparse_attn.integrations.transformers: one pattern per layer (a model's own sliding-window and full layers by
 default, or one given per layer), against the model's own eager/sdpa attention."""
-import copy
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0",
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 from sparse_attn.integrations.transformers import model_pattern, own_patterns, register  # noqa: E402
+from tests.test_integrations_transformers import twins  # noqa: E402
 
 BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 OWN = register(name="sparse_attn_test_own", backend=BACKEND)               # no pattern: the model's own per layer
@@ -26,14 +26,6 @@ def _sliding_configs():
     return [Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
             MistralConfig(**TINY, sliding_window=WINDOW)]
-
-
-def _twins(config, implementation, reference="eager"):
-    torch.manual_seed(0)
-    theirs = AutoModelForCausalLM.from_config(config, attn_implementation=reference).eval()
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(theirs.config), attn_implementation=implementation).eval()
-    ours.load_state_dict(theirs.state_dict())
-    return theirs, ours
 
 
 def _batch(n=24, left=True):
@@ -60,14 +52,14 @@ def test_own_patterns_follow_transformers_window_convention():
 @pytest.mark.parametrize("reference", ["eager", "sdpa"])
 @pytest.mark.parametrize("config", _sliding_configs(), ids=["qwen2-layer-types", "mistral"])
 def test_sliding_and_full_layers_equal_the_model_by_default(config, reference):
-    theirs, ours = _twins(config, OWN, reference)
+    theirs, ours = twins(config, OWN, AutoModelForCausalLM, reference)
     ids, mask = _batch()
     keep = mask.bool()
     expected = theirs(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep], expected[keep],
                                atol=1e-5, rtol=1e-5)
     everything = register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND)
-    _, dense = _twins(config, everything, reference)                           # the windows matter
+    _, dense = twins(config, everything, AutoModelForCausalLM, reference)      # the windows matter
     assert not torch.allclose(dense(input_ids=ids, attention_mask=mask).logits[keep], expected[keep], atol=1e-3)
 
 
@@ -75,13 +67,14 @@ def test_one_pattern_per_layer():
     qwen, _ = _sliding_configs()
     name = register([sa.Local(WINDOW - 1, 0), sa.Dense(), sa.Local(WINDOW - 1, 0)], name="sparse_attn_test_layers",
                     backend=BACKEND)
-    theirs, ours = _twins(qwen, name)
+    theirs, ours = twins(qwen, name, AutoModelForCausalLM)
     ids, mask = _batch()
     keep = mask.bool()
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
                                theirs(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
     ours.config.sparse_attn_pattern = [sa.Dense().to_dict()] * 3             # the config's list wins
-    _, dense = _twins(qwen, register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND))
+    _, dense = twins(qwen, register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND),
+                     AutoModelForCausalLM)
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
                                dense(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
 
@@ -151,7 +144,7 @@ def test_memory_stays_bounded():
 def test_each_layer_evicts_by_its_own_pattern(config):
     """A model with sliding and full layers generates what transformers' own model generates with its own
     sliding-window cache, and what a full DynamicCache generates; sliding layers hold a window, full ones all."""
-    theirs, ours = _twins(config, OWN, "eager")
+    theirs, ours = twins(config, OWN, AutoModelForCausalLM, "eager")
     ids, mask = _batch(n=12)
     cache = SparseCache(ours)
     tokens, scores = _generate(ours, ids, mask, cache, tokens=20)

@@ -39,13 +39,13 @@ def _config(kind: str, **kwargs):
     return LlamaConfig(**common, num_key_value_heads=2, pad_token_id=0)  # GQA: 4 query, 2 kv heads
 
 
-def _twins(kind: str, implementation: str, model_class=AutoModel):
-    """The same random weights under eager attention and under ``implementation``."""
+def twins(config, implementation: str, model_class=AutoModel, reference: str = "eager"):
+    """The same random weights under ``reference`` attention and under ``implementation`` (test_hf_cache too)."""
     torch.manual_seed(0)
-    eager = model_class.from_config(_config(kind), attn_implementation="eager").eval()
-    ours = model_class.from_config(copy.deepcopy(eager.config), attn_implementation=implementation).eval()
-    ours.load_state_dict(eager.state_dict())
-    return eager, ours
+    theirs = model_class.from_config(config, attn_implementation=reference).eval()
+    ours = model_class.from_config(copy.deepcopy(theirs.config), attn_implementation=implementation).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return theirs, ours
 
 
 def _batch(n=40, left=False):
@@ -60,7 +60,7 @@ def _batch(n=40, left=False):
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "llama"])
 def test_dense_pattern_equals_eager_attention(kind):
-    eager, ours = _twins(kind, DENSE)
+    eager, ours = twins(_config(kind), DENSE)
     ids, mask = _batch()
     expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
     out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -71,8 +71,8 @@ def test_dense_pattern_equals_eager_attention(kind):
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_output_attentions_warns_and_returns_what_sdpa_returns(kind):
-    _, ours = _twins(kind, LOCAL)
-    _, sdpa = _twins(kind, "sdpa")
+    _, ours = twins(_config(kind), LOCAL)
+    _, sdpa = twins(_config(kind), "sdpa")
     ids, mask = _batch()
     with pytest.warns(UserWarning, match="does not support output_attentions=True: sparse_attn never materialises"):
         outputs = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -83,7 +83,7 @@ def test_output_attentions_warns_and_returns_what_sdpa_returns(kind):
 
 
 def test_dense_pattern_equals_eager_with_left_padding():
-    eager, ours = _twins("llama", DENSE)
+    eager, ours = twins(_config("llama"), DENSE)
     ids, mask = _batch(left=True)
     keep = mask.bool()
     expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -102,7 +102,7 @@ def _pattern_mask(pattern, keep, causal):
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_sparse_pattern_equals_eager_with_the_pattern_as_mask(kind):
-    eager, ours = _twins(kind, LOCAL)
+    eager, ours = twins(_config(kind), LOCAL)
     ids, mask = _batch()
     keep = mask.bool()
     expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(3) | sa.Global(first=1), mask,
@@ -113,7 +113,7 @@ def test_sparse_pattern_equals_eager_with_the_pattern_as_mask(kind):
 
 
 def test_config_pattern_overrides_the_registered_one():
-    eager, ours = _twins("bert", DENSE)
+    eager, ours = twins(_config("bert"), DENSE)
     ours.config.sparse_attn_pattern = sa.Local(2).to_dict()
     ids, mask = _batch()
     expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(2), mask, causal=False)).last_hidden_state
@@ -208,7 +208,7 @@ def test_cached_call_needs_a_mask_over_cached_and_new_tokens():
 
 
 def test_4d_padding_mask_is_accepted_and_a_structured_one_refused():
-    eager, ours = _twins("bert", LOCAL)
+    eager, ours = twins(_config("bert"), LOCAL)
     ids, mask = _batch()
     padding_4d = torch.zeros(3, 1, 40, 40).masked_fill(~mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=padding_4d).last_hidden_state,
@@ -309,7 +309,7 @@ def test_errors():
         to_long_model(bert, 4096.0)
     with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern such as .*, got str: 'local'"):
         to_long_model(bert, 4096, "local")
-    _, ours = _twins("bert", DENSE)
+    _, ours = twins(_config("bert"), DENSE)
     with pytest.raises(ValueError, match=r"sparse_attn needs a padding mask of shape \(batch, kv_length\)"):
         ours(input_ids=torch.ones(2, 10, dtype=torch.long), attention_mask=torch.ones(2, 1, 10, 7))
 
