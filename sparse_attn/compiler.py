@@ -159,18 +159,20 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
     n_heads = heads if pattern.head_dependent else 1
     tables, tiles, classes = [], [], {}                 # classes: the document classes classified so far
     for b in range(batch or 1):
-        spans = None if documents is None else documents.example(b)
+        positions = None if global_mask is None else global_mask[b]
+        padding = None if key_padding_mask is None else key_padding_mask[b]
+        if documents is None:
+            positions = None if positions is None else np.flatnonzero(positions).astype(np.int64)
+        else:
+            spans = documents.example(b)
+            groups = _document_classes(spans, step, pattern.head_dependent, positions, padding)  # for every head
         for h in range(n_heads):
-            positions = None if global_mask is None else global_mask[b]
-            padding = None if key_padding_mask is None else key_padding_mask[b]
             if documents is None:
                 ctx = Context(n_q, n_k, h)
-                positions = None if positions is None else np.flatnonzero(positions).astype(np.int64)
                 rule = with_call_data(resolve(pattern, ctx), positions, causal, padding)
                 keys, full, tile, masks, _ = _blocks_and_tiles(rule, ctx, step, (min(step, n_q), min(step, n_k)))
             else:
-                keys, full, tile, masks = _document_blocks(pattern, h, causal, positions, padding, spans, n_q, step,
-                                                           classes)
+                keys, full, tile, masks = _document_blocks(pattern, h, causal, groups, spans, n_q, step, classes)
             tables.append((keys, full, np.where(full, -1, tile + sum(len(t) for t in tiles))))
             tiles.append(masks)
     masks, remap = _unique_tiles(np.concatenate(tiles), min(step, n_k))
@@ -244,10 +246,9 @@ def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, 
     return keys[keep], full[keep], tile[keep], np.packbits(tiles[keep_tile], axis=-1), cut[keep] > 0
 
 
-def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, spans: Spans, n: int, step: int,
-                     classes: dict):
-    """Blocks of one (example, head) of packed documents: keys, full flags, tile ids, tiles (as
-    ``_blocks_and_tiles``).
+def _document_blocks(pattern, head: int, causal: bool, groups: list, spans: Spans, n: int, step: int, classes: dict):
+    """Blocks of one (example, head) of packed documents (``groups``: the example's ``_document_classes``):
+    keys, full flags, tile ids, tiles (as ``_blocks_and_tiles``).
 
     Each document is resolved as a sequence of its own length (with its own global tokens and padding)
     and classified in a block grid offset by where it starts in its first block. Documents of equal
@@ -260,7 +261,7 @@ def _document_blocks(pattern, head: int, causal: bool, global_row, padding_row, 
     n_kb = ceil_div(n, step)
     pool, out, cut_keys, cut_tiles = [], [], [], []       # tiles; uncut (keys, full, tile); cut parts
     n_pool = 0
-    for key, members in _document_classes(spans, step, pattern.head_dependent, global_row, padding_row):
+    for key, members in groups:
         if (head, key) not in classes:
             classes[head, key] = _document_class(pattern, head, causal, key, step)
         keys, full, tile, tiles, cut = classes[head, key]
