@@ -536,9 +536,9 @@ def _bool_grid(blocks) -> np.ndarray:
         raise ValueError(f"Blocks blocks must have shape (n_qb, n_kb) or (H, n_qb, n_kb) with every size >= 1, got "
                          f"shape {tuple(grid.shape)}")
     if grid.dtype != bool:
-        values = np.unique(grid)
-        if not np.isin(values, (0, 1)).all():
-            raise ValueError(f"Blocks blocks must hold bools or 0 and 1 only, got the value {values[~np.isin(values, (0, 1))][0]}")
+        other = np.setdiff1d(grid, (0, 1))
+        if other.size:
+            raise ValueError(f"Blocks blocks must hold bools or 0 and 1 only, got the value {other[0]}")
         grid = grid == 1
     return grid
 
