@@ -51,7 +51,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -250,16 +249,8 @@ def equality_point(tokens: int) -> dict:
 # ----------------------------------------------------------------------------------------------------- driver
 
 def _child(args: list[str], limit_s: float) -> dict:
-    """Run ``--point ...`` in a fresh process: its JSON, or {"error": why}."""
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--point", *args], capture_output=True, text=True,
-                              timeout=limit_s, env=os.environ | ONE_THREAD)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within the {limit_s:.0f} s limit"}
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        return {"error": (lines[-1] if lines else f"exit status {proc.returncode}")[:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``--point ...`` in a fresh process with one thread: its JSON, or {"error": why}."""
+    return machine.run_json([sys.executable, __file__, "--point", *args], limit_s, env=os.environ | ONE_THREAD)
 
 
 def run_decode(sizes, rounds: int, steps: int, limit_s: float) -> list[dict]:

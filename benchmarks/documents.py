@@ -46,7 +46,6 @@ import platform
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -279,18 +278,13 @@ def _child(args: list[str], limit_s: float, memory_gib: float) -> dict:
         size = int(memory_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (size, size))
 
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--point", *args], capture_output=True, text=True,
-                              timeout=limit_s, preexec_fn=limit_memory)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within the {limit_s:.0f} s limit"}
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-        last = lines[-1] if lines else f"exit status {proc.returncode}"
-        if "alloc" in last or "MemoryError" in last or proc.returncode == -9:
-            last = f"out of memory under the {memory_gib:g} GiB limit: {last}"
-        return {"error": last[:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    def explain(last: str, status: int) -> str:
+        if "alloc" in last or "MemoryError" in last or status == -9:
+            return f"out of memory under the {memory_gib:g} GiB limit: {last}"
+        return last
+
+    return machine.run_json([sys.executable, __file__, "--point", *args], limit_s, explain,
+                            preexec_fn=limit_memory)
 
 
 def _not_run_reason(done: list[dict], impl: str, doc_set: str, n: int, limit_s: float) -> str | None:

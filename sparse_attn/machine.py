@@ -12,8 +12,10 @@ Only ``describe`` imports torch (for its thread count and GPU), when called.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 
@@ -61,3 +63,29 @@ def describe() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def run_json(command: list[str], limit_s: float, explain=lambda last, status: last, **options) -> dict:
+    """Run ``command``, a process that prints its result as JSON on its last line, within ``limit_s`` seconds
+    (how the scripts in ``benchmarks/`` run each point in a fresh process); ``options`` go to
+    ``subprocess.run`` (``env``, ``preexec_fn``). Its JSON, else ``{"error": why}``: the time limit, or
+    ``explain(the last line of its stderr, its exit status)`` cut to 300 characters.
+
+    >>> import sys
+    >>> run_json([sys.executable, "-c", "print('warming up'); print('{\\"ms\\": 2.5}')"], 60)
+    {'ms': 2.5}
+    >>> run_json([sys.executable, "-c", "raise SystemExit('out of memory')"], 60)
+    {'error': 'out of memory'}
+    >>> run_json([sys.executable, "-c", "import sys; sys.exit(3)"], 60, explain=lambda last, status: f"{last}!")
+    {'error': 'exit status 3!'}
+    >>> run_json([sys.executable, "-c", "import time; time.sleep(5)"], 1)
+    {'error': 'did not finish within the 1 s limit'}
+    """
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=limit_s, **options)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within the {limit_s:.0f} s limit"}
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        return {"error": explain(lines[-1] if lines else f"exit status {proc.returncode}", proc.returncode)[:300]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
