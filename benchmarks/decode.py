@@ -177,9 +177,8 @@ def decode_point(impl: str, n: int, steps: int) -> dict:
         step(q, k, v)
         if i >= WARMUP_STEPS:
             times.append(time.perf_counter() - begin)
-    with open("/proc/self/status") as f:
-        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return {"samples_s": times, "cache_bytes": nbytes(), "fill_s": fill_s, "peak_rss_gib": peak / 2**30}
+    return {"samples_s": times, "cache_bytes": nbytes(), "fill_s": fill_s,
+            "peak_rss_gib": machine.status_bytes("VmHWM") / 2**30}
 
 
 # ------------------------------------------------------------------------------------------- generate points

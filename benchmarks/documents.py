@@ -93,11 +93,6 @@ def _documents(doc_set: str, n: int) -> torch.Tensor:
     return sa.documents_from_lengths([document_lengths(doc_set, n)])  # (1, N) int64
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 class PeakRSS:
     """The growth of the resident set's high-water mark over a ``with`` block (Linux: VmHWM reset through
     /proc/self/clear_refs, so earlier peaks, such as imports, do not hide it).
@@ -111,11 +106,11 @@ class PeakRSS:
     def __enter__(self):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        self.before = _status_bytes("VmRSS")
+        self.before = machine.status_bytes("VmRSS")
         return self
 
     def __exit__(self, *exc):
-        self.mb = (_status_bytes("VmHWM") - self.before) / 2**20
+        self.mb = (machine.status_bytes("VmHWM") - self.before) / 2**20
 
 
 # ---------------------------------------------------------------------------------------------- layout points
@@ -266,7 +261,7 @@ def attention_point(doc_set: str, n: int, repeats: int) -> dict:
         result[name] = {**shape, "forward_s": statistics.median(fwd), "forward_samples_s": fwd,
                         "forward_backward_s": statistics.median(fwd_bwd), "forward_backward_samples_s": fwd_bwd,
                         "warmup_4096_s": warmup[name]}
-    result["peak_rss_gib"] = _status_bytes("VmHWM") / 2**30
+    result["peak_rss_gib"] = machine.status_bytes("VmHWM") / 2**30
     return result
 
 

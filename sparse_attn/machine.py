@@ -52,6 +52,17 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def status_bytes(field: str) -> int:
+    """A memory field of this process's ``/proc/self/status`` (Linux), in bytes: ``VmHWM`` is the resident
+    set's high-water mark (its peak), ``VmRSS`` the resident set now.
+
+    >>> status_bytes("VmHWM") >= status_bytes("VmRSS") > 0
+    True
+    """
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def describe() -> dict:
     """Platform, CPUs, Python, versions of the packages that decide the speed, torch's threads, the GPU."""
     import torch
