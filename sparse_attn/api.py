@@ -16,7 +16,7 @@ from einops import rearrange
 
 from . import backends
 from .checks import check_bool
-from .compiler import check_call_masks
+from .compiler import build_layout, check_call_masks
 from .layout import BlockLayout
 from .pattern import Pattern
 
@@ -72,12 +72,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 
 def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,
                    key_padding_mask, global_mask, documents=None) -> BlockLayout:
-    """The layout to run: a prebuilt one checked against the inputs, or one built from the pattern."""
+    """The layout to run: a prebuilt one checked against the inputs, or one built from the pattern (the
+    compiler checks the call-time masks and documents against the inputs' batch, once)."""
+    if isinstance(pattern, Pattern):
+        return build_layout(pattern, n_q, n_k, heads, block_size, causal=causal, global_mask=global_mask,
+                            key_padding_mask=key_padding_mask, documents=documents, batch=batch)
     check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
-    if isinstance(pattern, BlockLayout):
-        return pattern
-    return pattern.layout(n_q, n_k, heads=heads, block_size=block_size, causal=causal, global_mask=global_mask,
-                          key_padding_mask=key_padding_mask, documents=documents)
+    return pattern
 
 
 def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causal, key_padding_mask,

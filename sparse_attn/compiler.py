@@ -41,10 +41,11 @@ _POPCOUNT = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(1
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None, documents=None,
-                 cache: bool = True) -> BlockLayout:
+                 cache: bool = True, batch: int | None = None) -> BlockLayout:
     """What :meth:`Pattern.layout` returns. Layouts are cached, call-time masks and documents by their values,
     so every layer of a model called with the same padding shares one layout; ``cache=False`` builds anew
-    (what a benchmark of the build times).
+    (what a benchmark of the build times). ``batch``: the batch the masks and documents must have (the
+    inputs' in ``sparse_attention``; None: any, the same for all).
 
     Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
     the compiled function and pass it to ``sparse_attention``.
@@ -53,8 +54,8 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
     causal = check_bool("causal", causal)
     pattern.check_heads(heads)
-    documents = _document_values(documents, check_call_masks(n_q, n_k, global_mask, key_padding_mask,
-                                                             documents=documents))
+    documents = _document_values(documents, check_call_masks(n_q, n_k, global_mask, key_padding_mask, batch,
+                                                             documents))
     global_mask, key_padding_mask = _mask_values("global_mask", global_mask), _mask_values("key_padding_mask",
                                                                                             key_padding_mask)
     documents = _Documents.of(documents)
