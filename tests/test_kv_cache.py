@@ -59,7 +59,11 @@ def test_generation_equals_attention_over_the_full_past_float64(pattern, schedul
     out, oracle, _, cache = generation(pattern, SCHEDULES[schedule], backend)
     assert (out - oracle).abs().max().item() <= 1e-12
     assert cache.bounded and cache.seq_len == sum(SCHEDULES[schedule])
-    assert len(cache.positions) < cache.seq_len                     # something was dropped
+    # held: the fixed tokens and the window of the last chunk's first query (t), nothing more
+    r, t = cache.retention, cache.seq_len - SCHEDULES[schedule][-1]
+    assert t > r.dense_until and len(cache.positions) < cache.seq_len
+    expected = {p for p in r.fixed if p < cache.seq_len} | set(range(max(t - r.window, 0), cache.seq_len))
+    assert sorted(cache.positions.tolist()) == sorted(expected)
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])
