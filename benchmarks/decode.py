@@ -69,6 +69,7 @@ WINDOW = 4096
 Q_HEADS, KV_HEADS, DIM = 8, 2, 64
 FILL_CHUNK = 65_536
 WARMUP_STEPS = 3
+PROMPT = 16  # tokens of the generate() prompt
 # one thread per point: one token's attention is too small to split, and on a shared 2-core machine two
 # spinning thread pools (torch's and numba's) wait for scheduler ticks (8 ms quanta: 16 ms steps that take 2 ms)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
@@ -197,7 +198,7 @@ def tiny_llama(pattern: sa.Pattern, name: str):
 
 
 def _prompt():
-    return torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(0))  # (1, 16)
+    return torch.randint(1, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0))  # (1, PROMPT)
 
 
 def generate_point(tokens: int) -> dict:
@@ -212,7 +213,7 @@ def generate_point(tokens: int) -> dict:
 
     class RecordMemory(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            generated = input_ids.shape[1] - 16
+            generated = input_ids.shape[1] - PROMPT
             if generated % 256 == 0:
                 memory.append((int(input_ids.shape[1]), cache.nbytes))
             return scores
@@ -222,7 +223,7 @@ def generate_point(tokens: int) -> dict:
                          do_sample=False, logits_processor=LogitsProcessorList([RecordMemory()]))
     wall = time.perf_counter() - start
     memory.append((int(out.shape[1]), cache.nbytes))
-    return {"tokens": int(out.shape[1]) - 16, "wall_s": wall, "memory": memory}
+    return {"tokens": int(out.shape[1]) - PROMPT, "wall_s": wall, "memory": memory}
 
 
 def equality_point(tokens: int) -> dict:
@@ -237,7 +238,7 @@ def equality_point(tokens: int) -> dict:
     for cache in (SparseCache(model), DynamicCache()):
         start = time.perf_counter()
         out = model.generate(_prompt(), past_key_values=cache, **options)
-        runs[type(cache).__name__] = {"tokens": out[0, 16:].tolist(), "wall_s": time.perf_counter() - start}
+        runs[type(cache).__name__] = {"tokens": out[0, PROMPT:].tolist(), "wall_s": time.perf_counter() - start}
     sparse, full = runs["SparseCache"]["tokens"], runs["DynamicCache"]["tokens"]
     differ = next((i for i, (a, b) in enumerate(zip(sparse, full)) if a != b), None)
     return {"tokens": len(sparse), "identical": sparse == full, "first_difference": differ,
