@@ -191,7 +191,6 @@ def packed_documents(batch: int, n_q: int, n_k: int, key_padding_mask: torch.Ten
 
 
 def _documents_of_cu_seq_lens(batch: int, n_q: int, n_k: int, cu_seq_lens_q, cu_seq_lens_k) -> torch.Tensor:
-    offsets = cu_seq_lens_k if cu_seq_lens_q is None else cu_seq_lens_q
     if cu_seq_lens_q is None or cu_seq_lens_k is None or not torch.equal(torch.as_tensor(cu_seq_lens_q).cpu(),
                                                                           torch.as_tensor(cu_seq_lens_k).cpu()):
         raise ValueError(f"packed sequences need cu_seq_lens_q == cu_seq_lens_k (each document attends to "
@@ -199,7 +198,7 @@ def _documents_of_cu_seq_lens(batch: int, n_q: int, n_k: int, cu_seq_lens_q, cu_
                          f"sparse_attn runs self-attention over packed documents only")
     if n_q != n_k:
         raise ValueError(f"cu_seq_lens_q/k (packed sequences) with {n_k - n_q} cached keys; {_NO_PACKED_CACHE}")
-    offsets = torch.as_tensor(offsets).cpu()
+    offsets = torch.as_tensor(cu_seq_lens_q).cpu()                                      # equal to cu_seq_lens_k
     if batch != 1 or offsets.dim() != 1 or int(offsets[-1]) > n_k:
         raise ValueError(f"cu_seq_lens_q/k must describe one packed row of {n_k} tokens (batch 1, offsets up to "
                          f"{n_k}), as DataCollatorWithFlattening produces, got batch {batch} and offsets "
