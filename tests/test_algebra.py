@@ -19,7 +19,8 @@ from sparse_attn import cli
 from sparse_attn.expression import PatternTextError, parse_pattern
 from sparse_attn.pattern import MAX_DEPTH
 from sparse_attn.rules import ComplementRule, Context, resolve
-from tests.test_layout import _has_random, check_layout_matches_mask, patterns_for
+from tests.test_documents import run_backend
+from tests.test_layout import check_layout_matches_mask, has_random, patterns_for
 from tests.tolerance import assert_within_rule
 
 SIZES = st.tuples(st.integers(1, 40), st.integers(1, 40))
@@ -27,7 +28,7 @@ SIZES = st.tuples(st.integers(1, 40), st.integers(1, 40))
 
 def no_random(n_q, n_k, heads=None):
     """Compositions without Random, whose tiles depend on their union siblings (so | is not mask or)."""
-    return patterns_for(n_q, n_k, heads).filter(lambda p: not _has_random(p))
+    return patterns_for(n_q, n_k, heads).filter(lambda p: not has_random(p))
 
 
 # --- laws ------------------------------------------------------------------------------------------
@@ -238,20 +239,12 @@ def test_blocks_rows_are_query_rows_even_when_n_q_differs_from_n_k():
 
 
 # --- kernels against the float64 reference ------------------------------------------------------------
-def _outputs(backend, q, k, v, layout, grad_out):
-    """out, lse, dq, dk, dv of one backend on fresh leaves."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = sa.sparse_attention(q, k, v, layout, backend=backend, return_lse=True)
-    (out.double() * grad_out).sum().backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
 def check_backend(backend, q, k, v, layout):
     """float32 kernel vs the float64 reference, within twice torch's float32 error (the reference in float32)."""
     grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    got = _outputs(backend, q, k, v, layout, grad_out)
-    oracle = _outputs("reference", q.double(), k.double(), v.double(), layout, grad_out)
-    baseline = _outputs("reference", q, k, v, layout, grad_out)
+    got = run_backend(backend, q, k, v, layout, grad_out)
+    oracle = run_backend("reference", q.double(), k.double(), v.double(), layout, grad_out)
+    baseline = run_backend("reference", q, k, v, layout, grad_out)
     assert torch.equal(torch.isinf(got[1]), torch.isinf(oracle[1])), "rows without keys differ"
     finite = torch.isfinite(oracle[1])
     assert_within_rule("out", got[0], oracle[0], baseline[0])

@@ -249,13 +249,13 @@ def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, 
     assert peak < 400e6, f"layout build peaked at {peak / 1e6:.0f} MB"
 
 
-def _has_random(pattern) -> bool:
+def has_random(pattern) -> bool:
     members = getattr(pattern, "patterns", ()) + ((pattern.pattern,) if isinstance(pattern, sa.Complement) else ())
-    return isinstance(pattern, sa.Random) or any(_has_random(p) for p in members)
+    return isinstance(pattern, sa.Random) or any(has_random(p) for p in members)
 
 
 @settings(max_examples=80, deadline=None)
-@given(a=patterns.filter(lambda p: not _has_random(p)), b=patterns.filter(lambda p: not _has_random(p)),
+@given(a=patterns.filter(lambda p: not has_random(p)), b=patterns.filter(lambda p: not has_random(p)),
        n_q=st.integers(1, 40), n_k=st.integers(1, 40))
 def test_union_and_intersection_laws(a, b, n_q, n_k):
     """Without Random (whose blocks depend on their union siblings), | and & are mask or / and."""
