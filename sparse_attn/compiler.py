@@ -184,22 +184,29 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
     if len(keys) > _INT32_MAX:
         raise ValueError(f"the layout has {len(keys)} (example, head, block) entries, more than its int32 indices "
                          f"hold ({_INT32_MAX}); use a larger block_size (got {block_size})")
-    rows, cols = keys // n_kb, keys % n_kb
-    tensors = {}
-    for kind, sel in (("full", full), ("part", ~full)):
-        g, r, c = group[sel], rows[sel], cols[sel]
-        t = remap[tile[sel]] if kind == "part" else None
-        by_col = np.lexsort((r, c, g))
-        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, ceil_div(n_q, step))
-        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
-        tensors[f"{kind}_t_ptr"] = _ptr(g[by_col], c[by_col], shape, n_kb)
-        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
-        if t is not None:
-            tensors["part_mask"] = torch.from_numpy(t.astype(np.int32))
-            tensors["part_t_mask"] = torch.from_numpy(t[by_col].astype(np.int32))
+    tensors = csr_index(group, keys // n_kb, keys % n_kb, full, remap[tile[~full]], shape, ceil_div(n_q, step), n_kb)
     tensors["masks"] = torch.from_numpy(masks)
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=causal,
                                **tensors)
+
+
+def csr_index(group: np.ndarray, rows: np.ndarray, cols: np.ndarray, full: np.ndarray, part_tile: np.ndarray,
+              shape: tuple[int, int], n_q_blocks: int, n_k_blocks: int) -> dict[str, torch.Tensor]:
+    """A BlockLayout's index tensors, all but ``masks``, from its computed blocks sorted by (group, row, col):
+    each one's group (example * Hl + head, in a ``shape`` = (Bl, Hl) layout), block row and column, whether it
+    is full, and for the partial ones (in the same order) their tile's index in ``masks``."""
+    tensors = {}
+    for kind, sel in (("full", full), ("part", ~full)):
+        g, r, c = group[sel], rows[sel], cols[sel]
+        by_col = np.lexsort((r, c, g))
+        tensors[f"{kind}_ptr"] = _ptr(g, r, shape, n_q_blocks)
+        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
+        tensors[f"{kind}_t_ptr"] = _ptr(g[by_col], c[by_col], shape, n_k_blocks)
+        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
+        if kind == "part":
+            tensors["part_mask"] = torch.from_numpy(part_tile.astype(np.int32))
+            tensors["part_t_mask"] = torch.from_numpy(part_tile[by_col].astype(np.int32))
+    return tensors
 
 
 def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int) -> torch.Tensor:
@@ -229,7 +236,7 @@ def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, 
     cut = (((rows == 0) & (offset > 0)) * 8 + ((rows == n_qb - 1) & ((ctx.n_q + offset) % bs != 0)) * 4
            + ((cols == 0) & (offset > 0)) * 2 + ((cols == n_kb - 1) & ((ctx.n_k + offset) % bs != 0)))
     part = np.flatnonzero(~full | (keep_cut & (cut > 0)))
-    first, group = _unique_rows(np.column_stack([sig[part], cut[part]]))
+    first, group = unique_rows(np.column_stack([sig[part], cut[part]]))
     starts = rows[part][first] * bs - offset, cols[part][first] * bs - offset
     tiles = _tiles(rule, ctx, tile_shape, *starts)
     allowed = tiles.sum((1, 2))
@@ -348,7 +355,7 @@ def _merge_parts(keys: np.ndarray, tiles: np.ndarray, pool: np.ndarray, n: int, 
     parts = np.full((len(several), int(sizes.max(initial=1))), -1, dtype=np.int64)      # (blocks, most parts)
     parts[np.repeat(np.arange(len(several)), sizes[several]),
           entries - np.repeat(starts[several], sizes[several])] = tiles[entries]
-    first, inverse = _unique_rows(parts)
+    first, inverse = unique_rows(parts)
     unique = parts[first]
     valid = unique >= 0                                  # each row: its parts first, then -1 padding
     first_part = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]]).astype(np.int64)
@@ -381,11 +388,11 @@ def _tiles(rule: Rule, ctx: Context, tile_shape: tuple[int, int], i0: np.ndarray
 def _unique_tiles(packed: np.ndarray, tk: int) -> tuple[np.ndarray, np.ndarray]:
     """Deduplicate packed tiles (n, tq, ceil(tk / 8)) across examples and heads: (unique tiles as bool
     (m, tq, tk), old index -> new index)."""
-    first, inverse = _unique_rows(packed.reshape(len(packed), packed[0].size if len(packed) else 0))
+    first, inverse = unique_rows(packed.reshape(len(packed), packed[0].size if len(packed) else 0))
     return np.unpackbits(packed[first], axis=-1, count=tk).astype(bool), inverse
 
 
-def _unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows of a 2-D array: (index of each one's first occurrence, row -> its distinct row's number).
     Rows are compared as raw bytes (one sort of byte strings, much faster than ``np.unique(axis=0)``)."""
     matrix = np.ascontiguousarray(matrix)

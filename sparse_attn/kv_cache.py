@@ -40,6 +40,7 @@ from . import backends
 from .api import check_inputs, sparse_attention
 from .blocks import ceil_div
 from .checks import check_bool, check_int, check_token_mask
+from .compiler import csr_index, unique_rows
 from .layout import BlockLayout
 from .pattern import check_pattern
 from .retention import retention
@@ -286,26 +287,12 @@ def _layout_of_mask(mask: np.ndarray, heads: int, block_size: int, pattern) -> B
     rows_in = np.minimum(tq, n_q - np.arange(n_qb) * tq)
     area = rows_in[:, None] * np.minimum(tk, n_k - np.arange(n_kb) * tk)[None, :]          # (n_qb, n_kb)
     full, part = count == area, (count > 0) & (count < area)
-    masks, tile_of = np.unique(tiles[part], axis=0, return_inverse=True)                  # (n_masks, tq, tk)
-    tensors = {"masks": torch.from_numpy(np.ascontiguousarray(masks))}
-    for kind, chosen in (("full", full), ("part", part)):
-        g, r, c = np.nonzero(chosen)                                                     # sorted by (g, r, c)
-        by_col = np.lexsort((r, c, g))
-        tensors[f"{kind}_ptr"] = _row_pointers(g * n_qb + r, n_groups, n_qb, mask.shape[:2])
-        tensors[f"{kind}_idx"] = torch.from_numpy(c.astype(np.int32))
-        tensors[f"{kind}_t_ptr"] = _row_pointers(g * n_kb + c, n_groups, n_kb, mask.shape[:2])
-        tensors[f"{kind}_t_idx"] = torch.from_numpy(r[by_col].astype(np.int32))
-        if kind == "part":
-            tile_of = tile_of.reshape(-1).astype(np.int32)
-            tensors["part_mask"], tensors["part_t_mask"] = torch.from_numpy(tile_of), torch.from_numpy(tile_of[by_col])
+    part_tiles = tiles[part]                                                             # (n_part, tq, tk)
+    first, tile_of = unique_rows(part_tiles.reshape(len(part_tiles), tq * tk))
+    g, r, c = np.nonzero(full | part)                                                    # sorted by (g, r, c)
+    tensors = csr_index(g, r, c, full[g, r, c], tile_of, mask.shape[:2], n_qb, n_kb)
+    tensors["masks"] = torch.from_numpy(np.ascontiguousarray(part_tiles[first]))      # (n_masks, tq, tk)
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=False,
                                **tensors)
 
 
-def _row_pointers(row: np.ndarray, n_groups: int, n_rows: int, shape: tuple[int, int]) -> torch.Tensor:
-    """CSR pointers (Bl, Hl, n_rows + 1) of entries in rows ``row`` (group * n_rows + row), each group starting
-    where the previous one ends."""
-    counts = np.bincount(row, minlength=n_groups * n_rows).reshape(n_groups, n_rows)
-    ptr = np.concatenate([np.zeros((n_groups, 1), dtype=np.int64), np.cumsum(counts, 1)], 1)
-    ptr += np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]])[:, None]
-    return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))
