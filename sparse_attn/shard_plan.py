@@ -1,0 +1,426 @@
+"""Which keys each rank of a sequence-parallel attention needs from the others: a :class:`ShardPlan`.
+
+>>> import sparse_attn as sa
+>>> layout = (sa.Local(16) | sa.Global(first=1)).layout(512)
+>>> plan = ShardPlan.build(layout, shard_sizes=(128, 128, 256), kv_heads=1)
+>>> plan.kv_rows.tolist()               # [r, p]: key (and value) vectors rank r receives from rank p
+[[0, 16, 0], [17, 0, 16], [1, 16, 0]]
+>>> plan.lse_rows.tolist()              # rows of each rank whose partial results are combined by log-sum-exp
+[64, 0, 0]
+
+The sequence of n tokens is split into contiguous shards, one per rank in rank order; rank r holds the
+queries, keys and values of its shard. The plan is derived from the layout of the whole sequence (the
+ground truth: pattern, causal, padding, global tokens and documents are all in it) without any N x N
+step, in work proportional to the layout's blocks:
+
+1. Each rank's rows are cut into *segments*, the parts of its query blocks it owns (a block that a
+   shard boundary cuts gives a segment to each side).
+2. For each segment, the remote keys its rows may attend (outside its rank's shard) are read from
+   the layout: all keys of a full block, the OR of the owned rows of a partial block's tile.
+3. A segment whose rows need many keys that no other segment of its rank needs (global rows see the
+   whole sequence) is cheaper to ship: its queries go to every rank, each rank attends them over its
+   own keys, and the owner combines the partial results by their log-sum-exp. It ships when the keys
+   only it needs, times the key/value heads and batch that fetching moves, exceed its rows times the
+   other ranks, heads and batch that shipping moves (widest segments decided first).
+4. Every other segment is computed where it lives, over the rank's own keys and the remote keys its
+   rows need, fetched at token granularity (a Longformer window fetches exactly its halo).
+
+``ShardPlan.build`` does this for every rank (every rank builds the same plan, so no rank has to ask
+another what it needs); :meth:`ShardPlan.program` gives one rank what it runs: the index tensors of
+its sends and receives and the two BlockLayouts of its kernels. ``sparse_attn.distributed`` runs it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .blocks import ceil_div
+from .compiler import csr_index, unique_rows
+from .layout import BlockLayout
+
+
+class RankProgram(NamedTuple):
+    """What one rank runs (tensors on the CPU; int64 unless noted).
+
+    Keys: the rank's *compact* key buffer (Bk, Hkv, n_compact, D) holds the key blocks (in the layout's
+    grid) its kernels read, in order: its own keys at ``own_start`` and the fetched ones, zeros elsewhere.
+
+    - ``kv_send_index`` (S,): rows of this rank's (Bk * Hkv * n_rank) key/value vectors to send, grouped by
+      destination rank, ``kv_send_counts`` (W,) per destination;
+    - ``kv_recv_slots`` (R,): where each received vector goes in the flattened compact buffer
+      (Bk * Hkv * n_compact), grouped by source rank, ``kv_recv_counts`` (W,);
+    - ``own_slots`` (Bk * Hkv * n_rank,): where this rank's own vectors go;
+    - ``local_layout``: this rank's rows (``rows_before`` zero rows first, padded to whole blocks) over the
+      compact buffer, without the rows it ships;
+    - ``lse_rows`` (n_ship,): this rank's shipped rows (local indices), sent to every rank;
+    - ``lse_recv_counts`` (W,): shipped rows received from each rank, ``lse_slots`` (sum,): their rows in the
+      shipped-query tensor (``lse_layout.n_q`` rows), grouped by source; the partial results go back in
+      the same order;
+    - ``lse_layout``: the shipped-query tensor over this rank's own keys in the compact buffer, or None
+      when no rank ships.
+    """
+
+    n_compact: int
+    own_slots: torch.Tensor
+    kv_send_index: torch.Tensor
+    kv_send_counts: list[int]
+    kv_recv_slots: torch.Tensor
+    kv_recv_counts: list[int]
+    rows_before: int
+    local_layout: BlockLayout
+    lse_rows: torch.Tensor
+    lse_recv_counts: list[int]
+    lse_slots: torch.Tensor
+    lse_layout: BlockLayout | None
+
+
+class _Needs(NamedTuple):
+    """Remote keys needed: one entry per (segment, layout group, key position)."""
+
+    segment: np.ndarray
+    group: np.ndarray
+    token: np.ndarray
+
+
+class ShardPlan:
+    """The exchange and compute plan of a layout over shards (see the module docstring).
+
+    Attributes (W = number of ranks):
+        kv_rows: (W, W) int64, ``[r, p]`` = key vectors (one head of one example; each comes with its value
+            vector) rank r receives from rank p in the forward pass; in the backward their gradients go back.
+        lse_rows: (W,) rows of each rank shipped to every other rank and combined by log-sum-exp.
+        work: (W,) token-pair blocks each rank's kernels compute (over all examples and heads).
+    """
+
+    def __init__(self, layout: BlockLayout, shard_sizes: tuple[int, ...], q_batch: int, kv_batch: int,
+                 kv_heads: int, needs: _Needs, shipped: np.ndarray, segments: dict[str, np.ndarray]):
+        self.layout, self.shard_sizes = layout, shard_sizes
+        self.q_batch, self.kv_batch, self.kv_heads = q_batch, kv_batch, kv_heads
+        self.starts = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)  # (W + 1,)
+        self.step = layout.tile_shape[0]
+        self._needs, self._shipped, self._seg = needs, shipped, segments
+        self._fetch = self._fetch_table()
+        world = len(shard_sizes)
+        self.kv_rows = np.zeros((world, world), dtype=np.int64)
+        np.add.at(self.kv_rows, (self._fetch["rank"], self._fetch["owner"]), self._fetch["copies"])
+        seg_rows = segments["hi"] - segments["lo"]
+        self.lse_rows = np.bincount(segments["rank"][shipped], seg_rows[shipped], minlength=world).astype(np.int64)
+        self.work = self._work()
+
+    # --- building -------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, layout: BlockLayout, shard_sizes, *, kv_heads: int, q_batch: int = 1,
+              kv_batch: int = 1) -> ShardPlan:
+        """The plan of ``layout`` (built for the whole sequence, ``n_q == n_k == sum(shard_sizes)``) over
+        shards of ``shard_sizes`` tokens (rank order), for inputs q (q_batch, layout.heads, ., D) and k, v
+        (kv_batch, kv_heads, ., D)."""
+        shard_sizes = tuple(int(n) for n in shard_sizes)
+        n = sum(shard_sizes)
+        if layout.n_q != n or layout.n_k != n:
+            raise ValueError(f"the layout must cover the whole sequence: n_q == n_k == sum(shard_sizes) = {n}, got "
+                             f"n_q={layout.n_q}, n_k={layout.n_k}; build it with pattern.layout({n}, ...)")
+        if min(shard_sizes) < 1:
+            raise ValueError(f"every rank needs at least one token, got shard sizes {list(shard_sizes)}")
+        if layout.heads % kv_heads or layout.batch not in (1, q_batch) or kv_batch not in (1, q_batch):
+            raise ValueError(f"a layout of batch {layout.batch} and {layout.heads} heads does not fit q batch "
+                             f"{q_batch} with k, v of batch {kv_batch} and {kv_heads} heads")
+        starts = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)
+        segments = _segments(starts, layout.tile_shape[0])
+        needs = _remote_needs(layout, starts, segments)
+        plan = cls.__new__(cls)
+        shipped = _choose_shipped(needs, segments, len(shard_sizes),
+                                  fetch_copies=kv_batch * kv_heads, ship_copies=q_batch * layout.heads)
+        plan.__init__(layout, shard_sizes, q_batch, kv_batch, kv_heads, needs, shipped, segments)
+        return plan
+
+    def _fetch_table(self) -> dict[str, np.ndarray]:
+        """The distinct (rank, example key, kv-head key, position) fetches, with the number of key vectors
+        each stands for (``copies``) and the rank that owns the position. An example key of -1 means every
+        example of k (a layout shared by the batch), a kv-head key of -1 every kv head (a layout shared by
+        the heads)."""
+        seg, fetched = self._seg, ~self._shipped[self._needs.segment]
+        rank = seg["rank"][self._needs.segment[fetched]]
+        example, head = self._group_keys(self._needs.group[fetched])
+        token = self._needs.token[fetched]
+        first, _ = unique_rows(np.column_stack([rank, example, head, token]))
+        rank, example, head, token = rank[first], example[first], head[first], token[first]
+        copies = np.where(example < 0, self.kv_batch, 1) * np.where(head < 0, self.kv_heads, 1)
+        owner = np.searchsorted(self.starts, token, side="right") - 1
+        return {"rank": rank, "example": example, "head": head, "token": token, "copies": copies, "owner": owner}
+
+    def _group_keys(self, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Layout groups (example * Hl + head) -> (example of k, or -1 for all of them; kv head, or -1 for all)."""
+        bl, hl = self.layout.index.full_ptr.shape[:2]
+        if bl == 1:
+            example = np.full(len(group), -1)
+        elif self.kv_batch == 1:
+            example = np.zeros(len(group), dtype=np.int64)      # per-example layouts over one shared k, v
+        else:
+            example = group // hl
+        head = (group % hl) // (self.layout.heads // self.kv_heads) if hl > 1 else np.full(len(group), -1)
+        return example.astype(np.int64), head.astype(np.int64)
+
+    def _work(self) -> np.ndarray:
+        """Computed blocks per rank: its segments' blocks (not shipped) and every shipped segment's blocks
+        over the rank's own keys, each counted once per example and head it is computed for."""
+        idx, seg = self.layout.index, self._seg
+        bl, hl = idx.full_ptr.shape[:2]
+        per_group = (self.q_batch // bl) * (self.layout.heads // hl)
+        world = len(self.shard_sizes)
+        work = np.zeros(world, dtype=np.int64)
+        entries = _segment_entries(idx, seg["block"])
+        counts = np.bincount(entries.segment, minlength=len(seg["block"]))
+        np.add.at(work, seg["rank"][~self._shipped], counts[~self._shipped])
+        shipped = np.isin(entries.segment, np.flatnonzero(self._shipped))
+        first_key = entries.col[shipped] * self.step                      # each shipped block: the ranks
+        last_key = np.minimum(first_key + self.step, self.layout.n_k) - 1    # owning its keys compute it
+        spread = np.zeros(world + 1, dtype=np.int64)
+        np.add.at(spread, np.searchsorted(self.starts, first_key, side="right") - 1, 1)
+        np.add.at(spread, np.searchsorted(self.starts, last_key, side="right"), -1)
+        work += np.cumsum(spread)[:world]
+        return work * per_group
+
+    # --- one rank's program ---------------------------------------------------------------------
+    def program(self, rank: int) -> RankProgram:
+        """What ``rank`` runs: its sends, receives, compact key buffer and kernel layouts."""
+        seg, fetch, step = self._seg, self._fetch, self.step
+        world, s0, s1 = len(self.shard_sizes), int(self.starts[rank]), int(self.starts[rank + 1])
+        bk, hkv = self.kv_batch, self.kv_heads
+        n_blocks = ceil_div(self.layout.n_k, step)
+        mine = fetch["rank"] == rank
+        own_blocks = np.arange(s0 // step, (s1 - 1) // step + 1)
+        compact = np.union1d(own_blocks, fetch["token"][mine] // step)                    # sorted key blocks
+        n_compact = len(compact) * step - (n_blocks * step - self.layout.n_k if compact[-1] == n_blocks - 1 else 0)
+
+        def slot(token):                                           # position -> slot in the compact buffer
+            return np.searchsorted(compact, token // step) * step + token % step
+
+        recv = _expand(fetch, mine, bk, hkv, order=("owner",))
+        send = _expand(fetch, fetch["owner"] == rank, bk, hkv, order=("rank",))
+        own = np.arange(s0, s1)
+        own_slots = ((np.arange(bk * hkv)[:, None] * n_compact) + slot(own)[None, :]).reshape(-1)
+        rows_before = s0 - (s0 // step) * step
+        local_layout = self._local_layout(rank, compact)
+
+        ship = np.flatnonzero(self._shipped)
+        ship_rows = [np.arange(seg["block"][s] * step + seg["lo"][s], seg["block"][s] * step + seg["hi"][s])
+                     for s in ship]
+        owners = seg["rank"][ship]
+        lse_rows = np.concatenate([r for r, o in zip(ship_rows, owners) if o == rank] + [np.zeros(0, np.int64)]) - s0
+        lse_slots = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + t * step
+                                    for t, s in enumerate(ship)] + [np.zeros(0, np.int64)])
+        lse_slots = lse_slots[np.argsort(np.repeat(owners, seg["hi"][ship] - seg["lo"][ship]), kind="stable")]
+        return RankProgram(
+            n_compact=int(n_compact),
+            own_slots=torch.from_numpy(own_slots),
+            kv_send_index=torch.from_numpy((send["example"] * hkv + send["head"]) * (s1 - s0) + send["token"] - s0),
+            kv_send_counts=np.bincount(send["rank"], minlength=world).tolist(),
+            kv_recv_slots=torch.from_numpy((recv["example"] * hkv + recv["head"]) * n_compact + slot(recv["token"])),
+            kv_recv_counts=np.bincount(recv["owner"], minlength=world).tolist(),
+            rows_before=int(rows_before), local_layout=local_layout,
+            lse_rows=torch.from_numpy(lse_rows.astype(np.int64)),
+            lse_recv_counts=np.bincount(seg["rank"][ship], seg["hi"][ship] - seg["lo"][ship],
+                                        minlength=world).astype(np.int64).tolist(),
+            lse_slots=torch.from_numpy(lse_slots.astype(np.int64)),
+            lse_layout=self._lse_layout(rank, compact) if len(ship) else None)
+
+    def _local_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
+        """This rank's block rows (not shipped) over its compact key blocks."""
+        seg, idx = self._seg, self.layout.index
+        mine = np.flatnonzero((seg["rank"] == rank) & ~self._shipped)
+        first_block = seg["block"][seg["rank"] == rank].min()
+        n_rows = (seg["block"][seg["rank"] == rank].max() - first_block + 1) * self.step
+        e = _segment_entries(idx, seg["block"][mine])
+        pos = np.searchsorted(compact, e.col)
+        inside = (pos < len(compact)) & (compact[np.minimum(pos, len(compact) - 1)] == e.col)
+        e = e.take(inside)
+        return self._assemble(e.group, seg["block"][mine][e.segment] - first_block, pos[inside], e.full, e.tile,
+                              n_rows, len(compact), compact[-1], self.layout.masks.numpy())
+
+    def _lse_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
+        """Every shipped segment (one block row each, in segment order) over this rank's own keys."""
+        seg, idx, step = self._seg, self.layout.index, self.step
+        s0, s1 = int(self.starts[rank]), int(self.starts[rank + 1])
+        ship = np.flatnonzero(self._shipped)
+        e = _segment_entries(idx, seg["block"][ship])
+        e = e.take((e.col * step < s1) & ((e.col + 1) * step > s0))      # key blocks holding own keys
+        # a block cut by the shard's ends keeps only the own keys: its tile (all True if full) AND the own
+        # columns (and the rows inside the sequence)
+        cut = (e.col * step < s0) | (np.minimum((e.col + 1) * step, self.layout.n_k) > s1)
+        pool = self.layout.masks.numpy()
+        tq, tk = self.layout.tile_shape
+        c = np.flatnonzero(cut)
+        tiles = np.ones((len(c), tq, tk), dtype=bool)
+        tiles[~e.full[c]] = pool[e.tile[c][~e.full[c]]]
+        keys = e.col[c][:, None] * step + np.arange(tk)[None, :]                            # (cut, tk)
+        rows = seg["block"][ship][e.segment[c]][:, None] * step + np.arange(tq)[None, :]     # (cut, tq)
+        tiles &= ((keys >= s0) & (keys < s1))[:, None, :] & (rows < self.layout.n_q)[:, :, None]
+        tile = e.tile.copy()
+        tile[c] = len(pool) + np.arange(len(c))
+        keep = ~cut
+        keep[c] = tiles.any((1, 2))
+        return self._assemble(e.group[keep], e.segment[keep], np.searchsorted(compact, e.col[keep]),
+                              (e.full & ~cut)[keep], tile[keep], len(ship) * step, len(compact), compact[-1],
+                              np.concatenate([pool, tiles]))
+
+    def _assemble(self, group, rows, cols, full, tile, n_rows: int, n_cols: int, last_block: int,
+                  pool: np.ndarray) -> BlockLayout:
+        """A BlockLayout of blocks (group, row, col, full; ``tile``: the partial ones' tiles in ``pool``) of
+        ``n_rows`` query rows and ``n_cols`` key blocks of the source grid, ``last_block`` the last of them."""
+        step = self.step
+        n_blocks = ceil_div(self.layout.n_k, step)
+        n_k = n_cols * step - (n_blocks * step - self.layout.n_k if last_block == n_blocks - 1 else 0)
+        order = np.lexsort((cols, rows, group))
+        group, rows, cols, full, tile = group[order], rows[order], cols[order], full[order], tile[order]
+        tq, tk = min(self.layout.block_size, n_rows), min(self.layout.block_size, n_k)
+        used, part_tile = np.unique(tile[~full], return_inverse=True)
+        tiles = pool[used][:, :tq, :tk]
+        first, distinct = unique_rows(tiles.reshape(len(tiles), tq * tk))
+        shape = tuple(self.layout.index.full_ptr.shape[:2])
+        tensors = csr_index(group, rows, cols, full, distinct[part_tile.reshape(-1)], shape, ceil_div(n_rows, step),
+                            ceil_div(n_k, step))
+        tensors["masks"] = torch.from_numpy(np.ascontiguousarray(tiles[first]))
+        return BlockLayout.trusted(pattern=self.layout.pattern, n_q=n_rows, n_k=n_k, heads=self.layout.heads,
+                                   block_size=self.layout.block_size, causal=self.layout.causal, **tensors)
+
+    # --- traffic ---------------------------------------------------------------------------------
+    def bytes_per_rank(self, head_dim: int, itemsize: int, lse_itemsize: int = 4) -> dict[str, np.ndarray]:
+        """Bytes each rank sends and receives per call, forward and backward, (W,) each.
+
+        Forward: key+value vectors fetched (2 * head_dim each), shipped query rows (all q heads and
+        examples, head_dim each) and their partial results coming back (head_dim + 1, in the lse dtype).
+        Backward: the same exchanges reversed (gradients of the fetched keys and values, of the partial
+        results, and of the shipped queries)."""
+        world = len(self.shard_sizes)
+        kv = 2 * head_dim * itemsize
+        rows = self.q_batch * self.layout.heads
+        q_row, part_row = rows * head_dim * itemsize, rows * (head_dim + 1) * lse_itemsize
+        kv_in, kv_out = self.kv_rows.sum(1) * kv, self.kv_rows.sum(0) * kv
+        ship_out = self.lse_rows * (world - 1) * q_row                       # own rows to every other rank
+        ship_in = (self.lse_rows.sum() - self.lse_rows) * q_row
+        part_out = (self.lse_rows.sum() - self.lse_rows) * part_row          # partials of others' rows
+        part_in = self.lse_rows * (world - 1) * part_row
+        return {"forward_sent": kv_out + ship_out + part_out, "forward_received": kv_in + ship_in + part_in,
+                "backward_sent": kv_in + ship_in + part_in, "backward_received": kv_out + ship_out + part_out}
+
+
+class _Entries(NamedTuple):
+    """Layout blocks of some segments: the segment (index into the list asked for), layout group, key block,
+    full flag and tile id (-1 for full blocks)."""
+
+    segment: np.ndarray
+    group: np.ndarray
+    col: np.ndarray
+    full: np.ndarray
+    tile: np.ndarray
+
+    def take(self, keep: np.ndarray) -> _Entries:
+        return _Entries(*(column[keep] for column in self))
+
+
+def _segments(starts: np.ndarray, step: int) -> dict[str, np.ndarray]:
+    """Each rank's parts of its query blocks: rank, block, and the rows [lo, hi) it owns within the block."""
+    rank, block, lo, hi = [], [], [], []
+    for r in range(len(starts) - 1):
+        s0, s1 = int(starts[r]), int(starts[r + 1])
+        blocks = np.arange(s0 // step, (s1 - 1) // step + 1)
+        rank.append(np.full(len(blocks), r))
+        block.append(blocks)
+        lo.append(np.maximum(s0 - blocks * step, 0))
+        hi.append(np.minimum(s1 - blocks * step, step))
+    return {name: np.concatenate(column).astype(np.int64)
+            for name, column in (("rank", rank), ("block", block), ("lo", lo), ("hi", hi))}
+
+
+def _segment_entries(idx, blocks: np.ndarray) -> _Entries:
+    """Every layout block of query blocks ``blocks`` (one list entry per segment), over all groups."""
+    columns = []
+    for kind in ("full", "part"):
+        ptr = getattr(idx, f"{kind}_ptr").numpy().astype(np.int64)
+        ptr = ptr.reshape(-1, ptr.shape[-1])                                     # (groups, n_qb + 1)
+        starts = ptr[:, blocks].T.reshape(-1)                                    # (segments * groups,)
+        counts = ptr[:, blocks + 1].T.reshape(-1) - starts
+        pair, at = _ranges(starts, counts)
+        tile = getattr(idx, "part_mask").numpy()[at] if kind == "part" else np.full(len(at), -1)
+        columns.append((pair // len(ptr), pair % len(ptr), getattr(idx, f"{kind}_idx").numpy()[at].astype(np.int64),
+                        np.full(len(at), kind == "full"), tile.astype(np.int64)))
+    return _Entries(*(np.concatenate(c) for c in zip(*columns)))
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated ranges [starts[i], starts[i] + counts[i]): (i of each element, the element)."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, starts[owner] + within
+
+
+def _remote_needs(layout: BlockLayout, starts: np.ndarray, seg: dict[str, np.ndarray]) -> _Needs:
+    """The key positions outside its rank's shard that each segment's rows may attend, per layout group."""
+    idx, step, n = layout.index, layout.tile_shape[0], layout.n_k
+    tk = layout.tile_shape[1]
+    e = _segment_entries(idx, seg["block"])
+    s0, s1 = starts[seg["rank"][e.segment]], starts[seg["rank"][e.segment] + 1]
+    e = e.take((e.col * step < s0) | (np.minimum((e.col + 1) * step, n) > s1))    # blocks holding remote keys
+    s0, s1 = starts[seg["rank"][e.segment]], starts[seg["rank"][e.segment] + 1]
+    lo, hi = seg["lo"][e.segment], seg["hi"][e.segment]
+    # the keys a block's owned rows may attend: the OR of those rows of its tile (all keys if full)
+    combo_first, combo = unique_rows(np.column_stack([e.tile, lo, hi]))
+    masks = layout.masks.numpy()
+    cols = np.zeros((len(combo_first), tk), dtype=bool)
+    for u, i in enumerate(combo_first):
+        cols[u] = True if e.tile[i] < 0 else masks[e.tile[i], lo[i]:hi[i]].any(0)
+    per_combo = [np.flatnonzero(c) for c in cols]
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in per_combo])]).astype(np.int64)
+    flat = np.concatenate(per_combo + [np.zeros(0, np.int64)])
+    entry, at = _ranges(offsets[combo], offsets[combo + 1] - offsets[combo])
+    token = e.col[entry] * step + flat[at]
+    remote = (token < n) & ((token < s0[entry]) | (token >= s1[entry]))
+    entry, token = entry[remote], token[remote]
+    return _Needs(e.segment[entry], e.group[entry], token)
+
+
+def _choose_shipped(needs: _Needs, seg: dict[str, np.ndarray], world: int, fetch_copies: int,
+                    ship_copies: int) -> np.ndarray:
+    """Which segments ship their queries (see the module docstring, step 3): bool per segment."""
+    shipped = np.zeros(len(seg["block"]), dtype=bool)
+    if world == 1 or len(needs.token) == 0:
+        return shipped
+    first, _ = unique_rows(np.column_stack([needs.segment, needs.token]))     # (segment, position) pairs
+    segment, token = needs.segment[first], needs.token[first]
+    rows = seg["hi"] - seg["lo"]
+    wide = np.bincount(segment, minlength=len(shipped))
+    ship_cost = rows * (world - 1) * ship_copies
+    candidates = np.flatnonzero(wide * fetch_copies > ship_cost)
+    if len(candidates) == 0:
+        return shipped
+    # per rank: how many of its segments need each position
+    key = seg["rank"][segment] * (np.int64(1) << 40) + token
+    _, where, refs = np.unique(key, return_inverse=True, return_counts=True)
+    order = np.argsort(segment, kind="stable")
+    bounds = np.searchsorted(segment[order], np.arange(len(shipped) + 1))
+    for s in candidates[np.argsort(-wide[candidates], kind="stable")]:
+        mine = where[order[bounds[s]:bounds[s + 1]]]
+        if np.count_nonzero(refs[mine] == 1) * fetch_copies > ship_cost[s]:
+            shipped[s] = True
+            refs[mine] -= 1
+    return shipped
+
+
+def _expand(fetch: dict[str, np.ndarray], select: np.ndarray, kv_batch: int, kv_heads: int,
+            order: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Fetches (rows of ``select``) as one row per key vector: an example key of -1 expanded to every example
+    of k, a head key of -1 to every kv head; sorted by ``order`` then (example, head, position), the order
+    both ends of an exchange agree on."""
+    rows = {name: column[select] for name, column in fetch.items()}
+    all_examples, all_heads = bool((rows["example"] < 0).any()), bool((rows["head"] < 0).any())  # all or none
+    n_examples, n_heads = kv_batch if all_examples else 1, kv_heads if all_heads else 1
+    copy = np.arange(len(rows["token"]) * n_examples * n_heads) % (n_examples * n_heads)
+    out = {name: np.repeat(column, n_examples * n_heads) for name, column in rows.items()}
+    if all_examples:
+        out["example"] = copy // n_heads
+    if all_heads:
+        out["head"] = copy % n_heads
+    sort = np.lexsort(tuple(out[name] for name in ("token", "head", "example", *reversed(order))))
+    return {name: column[sort] for name, column in out.items()}
