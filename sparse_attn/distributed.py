@@ -78,7 +78,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     layout = resolve_layout(pattern, batch, q_heads, n, n, module.BLOCK_SIZE, causal, key_padding_mask,
                             global_mask, documents)
     rank = dist.get_rank(group)
-    program = _program(layout, shard_sizes, rank, batch, k.shape[0], k.shape[1], q.device)
+    program = _program(layout, shard_sizes, rank, batch, k.shape[0], k.shape[1], q.element_size(), q.device)
     module.check(q, k, v, program.local_layout)
     out, lse = _attend(program, q, k, v, module, scale, group, len(shard_sizes))
     return (out, lse) if return_lse else out
@@ -202,9 +202,9 @@ def _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask, documents
 
 @functools.lru_cache(maxsize=32)
 def _program(layout: BlockLayout, shard_sizes: tuple[int, ...], rank: int, q_batch: int, kv_batch: int,
-             kv_heads: int, device: torch.device) -> RankProgram:
+             kv_heads: int, itemsize: int, device: torch.device) -> RankProgram:
     """This rank's program, its tensors on ``device`` (cached: layouts of equal arguments are one object)."""
-    plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch)
+    plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch, itemsize=itemsize)
     program = plan.program(rank)
     return program._replace(**{name: value.to(device) for name, value in program._asdict().items()
                                if isinstance(value, (torch.Tensor, BlockLayout))})

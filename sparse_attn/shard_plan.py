@@ -77,11 +77,13 @@ class RankProgram(NamedTuple):
 
 
 class _Needs(NamedTuple):
-    """Remote keys needed: one entry per (segment, layout group, key position)."""
+    """Remote keys needed, one entry per (segment, layout group, key block): the positions of the block (bits
+    packed as ``np.packbits(..., axis=-1)``, bit c = position block * step + c) outside the segment's shard."""
 
     segment: np.ndarray
     group: np.ndarray
-    token: np.ndarray
+    block: np.ndarray
+    bits: np.ndarray
 
 
 class ShardPlan:
@@ -111,11 +113,11 @@ class ShardPlan:
 
     # --- building -------------------------------------------------------------------------------
     @classmethod
-    def build(cls, layout: BlockLayout, shard_sizes, *, kv_heads: int, q_batch: int = 1,
-              kv_batch: int = 1) -> ShardPlan:
+    def build(cls, layout: BlockLayout, shard_sizes, *, kv_heads: int, q_batch: int = 1, kv_batch: int = 1,
+              itemsize: int = 4) -> ShardPlan:
         """The plan of ``layout`` (built for the whole sequence, ``n_q == n_k == sum(shard_sizes)``) over
         shards of ``shard_sizes`` tokens (rank order), for inputs q (q_batch, layout.heads, ., D) and k, v
-        (kv_batch, kv_heads, ., D)."""
+        (kv_batch, kv_heads, ., D) of ``itemsize`` bytes per element (which weighs shipping against fetching)."""
         shard_sizes = tuple(int(n) for n in shard_sizes)
         n = sum(shard_sizes)
         if layout.n_q != n or layout.n_k != n:
@@ -130,37 +132,38 @@ class ShardPlan:
         segments = _segments(starts, layout.tile_shape[0])
         needs = _remote_needs(layout, starts, segments)
         plan = cls.__new__(cls)
-        shipped = _choose_shipped(needs, segments, len(shard_sizes),
-                                  fetch_copies=kv_batch * kv_heads, ship_copies=q_batch * layout.heads)
+        # a shipped row moves its query (itemsize per element) and its partial result back (out and lse, in
+        # float32, float64 for float64 inputs); a fetched key vector moves a key and a value
+        ship_weight = (itemsize + (8 if itemsize == 8 else 4)) / (2 * itemsize)
+        shipped = _choose_shipped(needs, segments, len(shard_sizes), *_kv_keys(needs.group, layout, kv_batch, kv_heads),
+                                  kv_batch, kv_heads, ship_copies=q_batch * layout.heads, ship_weight=ship_weight)
         plan.__init__(layout, shard_sizes, q_batch, kv_batch, kv_heads, needs, shipped, segments)
         return plan
 
     def _fetch_table(self) -> dict[str, np.ndarray]:
-        """The distinct (rank, example key, kv-head key, position) fetches, with the number of key vectors
-        each stands for (``copies``) and the rank that owns the position. An example key of -1 means every
-        example of k (a layout shared by the batch), a kv-head key of -1 every kv head (a layout shared by
-        the heads)."""
-        seg, fetched = self._seg, ~self._shipped[self._needs.segment]
-        rank = seg["rank"][self._needs.segment[fetched]]
-        example, head = self._group_keys(self._needs.group[fetched])
-        token = self._needs.token[fetched]
-        first, _ = unique_rows(np.column_stack([rank, example, head, token]))
-        rank, example, head, token = rank[first], example[first], head[first], token[first]
-        copies = np.where(example < 0, self.kv_batch, 1) * np.where(head < 0, self.kv_heads, 1)
-        owner = np.searchsorted(self.starts, token, side="right") - 1
-        return {"rank": rank, "example": example, "head": head, "token": token, "copies": copies, "owner": owner}
-
-    def _group_keys(self, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Layout groups (example * Hl + head) -> (example of k, or -1 for all of them; kv head, or -1 for all)."""
-        bl, hl = self.layout.index.full_ptr.shape[:2]
-        if bl == 1:
-            example = np.full(len(group), -1)
-        elif self.kv_batch == 1:
-            example = np.zeros(len(group), dtype=np.int64)      # per-example layouts over one shared k, v
-        else:
-            example = group // hl
-        head = (group % hl) // (self.layout.heads // self.kv_heads) if hl > 1 else np.full(len(group), -1)
-        return example.astype(np.int64), head.astype(np.int64)
+        """The distinct fetches: (rank, example key, kv-head key, key block, owner) with the positions fetched
+        (packed bits) and the number of key vectors they stand for (``copies``). An example key of -1 means
+        every example of k (a layout shared by the batch), a kv-head key of -1 every kv head (a layout shared
+        by the heads); a block that shard boundaries cut is split by the rank owning each part."""
+        needs, seg, step, n = self._needs, self._seg, self.step, self.layout.n_k
+        fetched = ~self._shipped[needs.segment]
+        example, head = _kv_keys(needs.group[fetched], self.layout, self.kv_batch, self.kv_heads)
+        key = np.column_stack([seg["rank"][needs.segment[fetched]], example, head, needs.block[fetched]])
+        key, bits = _or_by_key(key, needs.bits[fetched])
+        first_owner = np.searchsorted(self.starts, key[:, 3] * step, side="right") - 1
+        last_owner = np.searchsorted(self.starts, np.minimum((key[:, 3] + 1) * step, n) - 1, side="right") - 1
+        entry, owner = _ranges(first_owner, last_owner - first_owner + 1)
+        key, bits = key[entry], bits[entry].copy()
+        split = np.flatnonzero(first_owner[entry] != last_owner[entry])
+        positions = key[split, 3][:, None] * step + np.arange(bits.shape[1] * 8)[None, :]
+        bits[split] &= np.packbits((positions >= self.starts[owner[split], None])
+                                   & (positions < self.starts[owner[split] + 1, None]), axis=1)
+        keep = bits.any(1)
+        key, bits, owner = key[keep], bits[keep], owner[keep]
+        copies = (np.where(key[:, 1] < 0, self.kv_batch, 1) * np.where(key[:, 2] < 0, self.kv_heads, 1)
+                  * _popcount(bits))
+        return {"rank": key[:, 0], "example": key[:, 1], "head": key[:, 2], "block": key[:, 3], "owner": owner,
+                "bits": bits, "copies": copies}
 
     def _work(self) -> np.ndarray:
         """Computed blocks per rank: its segments' blocks (not shipped) and every shipped segment's blocks
@@ -191,14 +194,14 @@ class ShardPlan:
         n_blocks = ceil_div(self.layout.n_k, step)
         mine = fetch["rank"] == rank
         own_blocks = np.arange(s0 // step, (s1 - 1) // step + 1)
-        compact = np.union1d(own_blocks, fetch["token"][mine] // step)                    # sorted key blocks
+        compact = np.union1d(own_blocks, fetch["block"][mine])                             # sorted key blocks
         n_compact = len(compact) * step - (n_blocks * step - self.layout.n_k if compact[-1] == n_blocks - 1 else 0)
 
         def slot(token):                                           # position -> slot in the compact buffer
             return np.searchsorted(compact, token // step) * step + token % step
 
-        recv = _expand(fetch, mine, bk, hkv, order=("owner",))
-        send = _expand(fetch, fetch["owner"] == rank, bk, hkv, order=("rank",))
+        recv = _expand(_positions(fetch, mine, step), bk, hkv, order=("owner",))
+        send = _expand(_positions(fetch, fetch["owner"] == rank, step), bk, hkv, order=("rank",))
         own = np.arange(s0, s1)
         own_slots = ((np.arange(bk * hkv)[:, None] * n_compact) + slot(own)[None, :]).reshape(-1)
         rows_before = s0 - (s0 // step) * step
@@ -357,63 +360,113 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def _remote_needs(layout: BlockLayout, starts: np.ndarray, seg: dict[str, np.ndarray]) -> _Needs:
-    """The key positions outside its rank's shard that each segment's rows may attend, per layout group."""
-    idx, step, n = layout.index, layout.tile_shape[0], layout.n_k
-    tk = layout.tile_shape[1]
+    """The key positions outside its rank's shard that each segment's rows may attend, per layout group and
+    key block, as packed bits."""
+    idx, n = layout.index, layout.n_k
+    step, tk = layout.tile_shape
     e = _segment_entries(idx, seg["block"])
-    s0, s1 = starts[seg["rank"][e.segment]], starts[seg["rank"][e.segment] + 1]
-    e = e.take((e.col * step < s0) | (np.minimum((e.col + 1) * step, n) > s1))    # blocks holding remote keys
+    rank = seg["rank"][e.segment]
+    e = e.take((e.col * step < starts[rank]) | (np.minimum((e.col + 1) * step, n) > starts[rank + 1]))
     s0, s1 = starts[seg["rank"][e.segment]], starts[seg["rank"][e.segment] + 1]
     lo, hi = seg["lo"][e.segment], seg["hi"][e.segment]
-    # the keys a block's owned rows may attend: the OR of those rows of its tile (all keys if full)
+    # the keys a block's owned rows may attend: the OR of those rows of its tile (every key if full)
     combo_first, combo = unique_rows(np.column_stack([e.tile, lo, hi]))
     masks = layout.masks.numpy()
-    cols = np.zeros((len(combo_first), tk), dtype=bool)
+    cols = np.ones((len(combo_first), tk), dtype=bool)
     for u, i in enumerate(combo_first):
-        cols[u] = True if e.tile[i] < 0 else masks[e.tile[i], lo[i]:hi[i]].any(0)
-    per_combo = [np.flatnonzero(c) for c in cols]
-    offsets = np.concatenate([[0], np.cumsum([len(c) for c in per_combo])]).astype(np.int64)
-    flat = np.concatenate(per_combo + [np.zeros(0, np.int64)])
-    entry, at = _ranges(offsets[combo], offsets[combo + 1] - offsets[combo])
-    token = e.col[entry] * step + flat[at]
-    remote = (token < n) & ((token < s0[entry]) | (token >= s1[entry]))
-    entry, token = entry[remote], token[remote]
-    return _Needs(e.segment[entry], e.group[entry], token)
+        if e.tile[i] >= 0:
+            cols[u] = masks[e.tile[i], lo[i]:hi[i]].any(0)
+    bits = np.packbits(cols, axis=1)[combo]                                              # (entries, tk / 8)
+    # blocks the shard or the sequence's end cuts: only the positions outside the shard, inside the sequence
+    cut = np.flatnonzero(((e.col * step < s1) & ((e.col + 1) * step > s0)) | ((e.col + 1) * step > n))
+    positions = e.col[cut][:, None] * step + np.arange(tk)[None, :]
+    bits[cut] &= np.packbits((positions < n) & ((positions < s0[cut, None]) | (positions >= s1[cut, None])),
+                             axis=1)
+    keep = bits.any(1)
+    return _Needs(e.segment[keep], e.group[keep], e.col[keep], bits[keep])
 
 
-def _choose_shipped(needs: _Needs, seg: dict[str, np.ndarray], world: int, fetch_copies: int,
-                    ship_copies: int) -> np.ndarray:
-    """Which segments ship their queries (see the module docstring, step 3): bool per segment."""
+def _choose_shipped(needs: _Needs, seg: dict[str, np.ndarray], world: int, example: np.ndarray, head: np.ndarray,
+                    kv_batch: int, kv_heads: int, ship_copies: int, ship_weight: float) -> np.ndarray:
+    """Which segments ship their queries (module docstring, step 3): bool per segment.
+
+    Costs are counted in key vectors (one key and its value, one head of one example): a segment's fetch is
+    its remote positions for each example and kv head of k it reads (``example``, ``head`` per need, -1 =
+    all), divided by how many segments of its rank need an average fetched key (keys are shared: a window's
+    halo serves many blocks); shipping costs its rows times the other ranks, ``ship_copies`` (examples times
+    query heads) and ``ship_weight`` (a shipped query and its partial result, in key vectors). Segments whose
+    fetch costs more start shipped; then, narrowest first, one fetches after all if the keys that no fetching
+    segment of its rank fetches yet cost less than shipping it (so two global blocks, which need the same
+    keys, both ship)."""
     shipped = np.zeros(len(seg["block"]), dtype=bool)
-    if world == 1 or len(needs.token) == 0:
+    if world == 1 or len(needs.block) == 0:
         return shipped
-    first, _ = unique_rows(np.column_stack([needs.segment, needs.token]))     # (segment, position) pairs
-    segment, token = needs.segment[first], needs.token[first]
-    rows = seg["hi"] - seg["lo"]
-    wide = np.bincount(segment, minlength=len(shipped))
-    ship_cost = rows * (world - 1) * ship_copies
-    candidates = np.flatnonzero(wide * fetch_copies > ship_cost)
-    if len(candidates) == 0:
+    key, bits = _or_by_key(np.column_stack([needs.segment, example, head, needs.block]), needs.bits)
+    segment, rank = key[:, 0], seg["rank"][key[:, 0]]
+    vectors = np.where(key[:, 1] < 0, kv_batch, 1) * np.where(key[:, 2] < 0, kv_heads, 1) * _popcount(bits)
+    wide = np.bincount(segment, vectors, minlength=len(shipped))
+    fetch = np.column_stack([rank, key[:, 1:]])                              # (rank, example, head, block)
+    distinct, distinct_bits = _or_by_key(fetch, bits)
+    per_rank = np.bincount(distinct[:, 0], np.where(distinct[:, 1] < 0, kv_batch, 1)
+                           * np.where(distinct[:, 2] < 0, kv_heads, 1) * _popcount(distinct_bits), minlength=world)
+    sharing = np.maximum(np.bincount(rank, vectors, minlength=world) / np.maximum(per_rank, 1), 1)   # (W,)
+    ship_cost = (seg["hi"] - seg["lo"]) * (world - 1) * ship_copies * ship_weight
+    candidate = wide / sharing[seg["rank"]] > ship_cost
+    if not candidate.any():
         return shipped
-    # per rank: how many of its segments need each position
-    key = seg["rank"][segment] * (np.int64(1) << 40) + token
-    _, where, refs = np.unique(key, return_inverse=True, return_counts=True)
+    _, code = unique_rows(fetch)                                       # one int per (rank, example, head, block)
+    fetched = np.unique(code[~candidate[segment]])                     # what the other segments fetch
+    shipped[candidate] = True
     order = np.argsort(segment, kind="stable")
     bounds = np.searchsorted(segment[order], np.arange(len(shipped) + 1))
-    for s in candidates[np.argsort(-wide[candidates], kind="stable")]:
-        mine = where[order[bounds[s]:bounds[s + 1]]]
-        if np.count_nonzero(refs[mine] == 1) * fetch_copies > ship_cost[s]:
-            shipped[s] = True
-            refs[mine] -= 1
+    for s in np.flatnonzero(candidate)[np.argsort(wide[candidate], kind="stable")]:
+        mine = order[bounds[s]:bounds[s + 1]]
+        if vectors[mine][~np.isin(code[mine], fetched)].sum() <= ship_cost[s]:
+            shipped[s] = False
+            fetched = np.union1d(fetched, code[mine])
     return shipped
 
 
-def _expand(fetch: dict[str, np.ndarray], select: np.ndarray, kv_batch: int, kv_heads: int,
-            order: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Fetches (rows of ``select``) as one row per key vector: an example key of -1 expanded to every example
+def _kv_keys(group: np.ndarray, layout: BlockLayout, kv_batch: int, kv_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layout groups (example * Hl + head) -> (example of k, or -1 for all of them; kv head, or -1 for all)."""
+    bl, hl = layout.index.full_ptr.shape[:2]
+    if bl == 1:
+        example = np.full(len(group), -1)
+    elif kv_batch == 1:
+        example = np.zeros(len(group), dtype=np.int64)      # per-example layouts over one shared k, v
+    else:
+        example = group // hl
+    head = (group % hl) // (layout.heads // kv_heads) if hl > 1 else np.full(len(group), -1)
+    return example.astype(np.int64), head.astype(np.int64)
+
+
+def _or_by_key(key: np.ndarray, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``key`` (n, k) made distinct, the packed ``bits`` of equal keys OR-ed: (keys, bits)."""
+    first, inverse = unique_rows(key)
+    order = np.argsort(inverse, kind="stable")
+    starts = np.searchsorted(inverse[order], np.arange(len(first)))
+    merged = np.bitwise_or.reduceat(bits[order], starts, axis=0) if len(first) else bits[:0]
+    return key[first], merged
+
+
+def _popcount(bits: np.ndarray) -> np.ndarray:
+    """Set bits of each row of packed bits (n, bytes)."""
+    return np.unpackbits(bits, axis=1).sum(1, dtype=np.int64)
+
+
+def _positions(fetch: dict[str, np.ndarray], select: np.ndarray, step: int) -> dict[str, np.ndarray]:
+    """Fetches (rows of ``select``) as one row per position (the ``token`` column), other columns repeated."""
+    rows = {name: column[select] for name, column in fetch.items() if name != "bits"}
+    entry, col = np.nonzero(np.unpackbits(fetch["bits"][select], axis=1))
+    out = {name: column[entry] for name, column in rows.items()}
+    out["token"] = rows["block"][entry] * step + col
+    return out
+
+
+def _expand(rows: dict[str, np.ndarray], kv_batch: int, kv_heads: int, order: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Fetched positions as one row per key vector: an example key of -1 expanded to every example
     of k, a head key of -1 to every kv head; sorted by ``order`` then (example, head, position), the order
     both ends of an exchange agree on."""
-    rows = {name: column[select] for name, column in fetch.items()}
     all_examples, all_heads = bool((rows["example"] < 0).any()), bool((rows["head"] < 0).any())  # all or none
     n_examples, n_heads = kv_batch if all_examples else 1, kv_heads if all_heads else 1
     copy = np.arange(len(rows["token"]) * n_examples * n_heads) % (n_examples * n_heads)
