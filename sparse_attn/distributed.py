@@ -87,14 +87,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
 def _attend(program: RankProgram, q, k, v, module, scale: float, group, world: int):
     """out (B, Hq, n_rank, D) and lse (B, Hq, n_rank) of this rank's rows (differentiable)."""
     kv_batch, kv_heads, n_rank, head_dim = k.shape
-    kv = torch.cat([k, v], dim=-1).reshape(-1, 2 * head_dim)                    # (Bk * Hkv * n_rank, 2D)
-    fetched = _Exchange.apply(kv.index_select(0, program.kv_send_index), program.kv_send_counts,
-                              program.kv_recv_counts, group)                     # (received, 2D)
-    slots = torch.cat([program.own_slots, program.kv_recv_slots])
-    compact = kv.new_zeros(kv_batch * kv_heads * program.n_compact, 2 * head_dim).index_copy(
-        0, slots, torch.cat([kv, fetched]))
-    compact = compact.view(kv_batch, kv_heads, program.n_compact, 2 * head_dim)  # (Bk, Hkv, n_compact, 2D)
-    keys, values = compact[..., :head_dim].contiguous(), compact[..., head_dim:].contiguous()
+    k_rows, v_rows = k.reshape(-1, head_dim), v.reshape(-1, head_dim)           # (Bk * Hkv * n_rank, D)
+    sent = torch.cat([k_rows.index_select(0, program.kv_send_index),
+                      v_rows.index_select(0, program.kv_send_index)], dim=-1)     # (sent, 2D)
+    fetched = _Exchange.apply(sent, program.kv_send_counts, program.kv_recv_counts, group)     # (received, 2D)
+    shape = (kv_batch, kv_heads, program.n_compact, head_dim)
+    keys = _compact(program, k_rows, fetched[:, :head_dim], shape)              # (Bk, Hkv, n_compact, D)
+    values = _compact(program, v_rows, fetched[:, head_dim:], shape)
 
     n_rows = program.local_layout.n_q
     rows_after = n_rows - program.rows_before - n_rank
@@ -107,6 +106,15 @@ def _attend(program: RankProgram, q, k, v, module, scale: float, group, world: i
     shipped_out, shipped_lse = _shipped_rows(program, q, keys, values, module, scale, group, world)
     return (out.index_copy(2, program.lse_rows, shipped_out.to(out.dtype)),
             lse.index_copy(2, program.lse_rows, shipped_lse.to(lse.dtype)))
+
+
+def _compact(program: RankProgram, own: torch.Tensor, fetched: torch.Tensor, shape) -> torch.Tensor:
+    """The compact key (or value) buffer of ``shape`` (Bk, Hkv, n_compact, D): this rank's vectors and the
+    fetched ones in their slots, zeros where no row of this rank attends."""
+    buffer = own.new_zeros(shape[0] * shape[1] * shape[2], shape[3])
+    buffer.index_copy_(0, program.own_slots, own)
+    buffer.index_copy_(0, program.kv_recv_slots, fetched)
+    return buffer.view(shape)
 
 
 def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, group, world: int):
@@ -204,7 +212,8 @@ def _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask, documents
 def _program(layout: BlockLayout, shard_sizes: tuple[int, ...], rank: int, q_batch: int, kv_batch: int,
              kv_heads: int, itemsize: int, device: torch.device) -> RankProgram:
     """This rank's program, its tensors on ``device`` (cached: layouts of equal arguments are one object)."""
-    plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch, itemsize=itemsize)
+    plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch,
+                           itemsize=itemsize)
     program = plan.program(rank)
     return program._replace(**{name: value.to(device) for name, value in program._asdict().items()
                                if isinstance(value, (torch.Tensor, BlockLayout))})

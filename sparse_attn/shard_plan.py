@@ -17,11 +17,11 @@ step, in work proportional to the layout's blocks:
    shard boundary cuts gives a segment to each side).
 2. For each segment, the remote keys its rows may attend (outside its rank's shard) are read from
    the layout: all keys of a full block, the OR of the owned rows of a partial block's tile.
-3. A segment whose rows need many keys that no other segment of its rank needs (global rows see the
-   whole sequence) is cheaper to ship: its queries go to every rank, each rank attends them over its
-   own keys, and the owner combines the partial results by their log-sum-exp. It ships when the keys
-   only it needs, times the key/value heads and batch that fetching moves, exceed its rows times the
-   other ranks, heads and batch that shipping moves (widest segments decided first).
+3. A segment whose rows need many keys that the other segments of its rank do not (global rows see
+   the whole sequence) is cheaper to ship: its queries go to every rank, each rank attends them over
+   its own keys, and the owner combines the partial results by their log-sum-exp. It ships when the
+   bytes of the key/value vectors it alone would fetch exceed the bytes of its queries sent to every
+   other rank and of their partial results coming back (``_choose_shipped`` says how that is counted).
 4. Every other segment is computed where it lives, over the rank's own keys and the remote keys its
    rows need, fetched at token granularity (a Longformer window fetches exactly its halo).
 
@@ -45,7 +45,7 @@ class RankProgram(NamedTuple):
     """What one rank runs (tensors on the CPU; int64 unless noted).
 
     Keys: the rank's *compact* key buffer (Bk, Hkv, n_compact, D) holds the key blocks (in the layout's
-    grid) its kernels read, in order: its own keys at ``own_start`` and the fetched ones, zeros elsewhere.
+    grid) its kernels read, in order: its own keys and the fetched ones, zeros elsewhere.
 
     - ``kv_send_index`` (S,): rows of this rank's (Bk * Hkv * n_rank) key/value vectors to send, grouped by
       destination rank, ``kv_send_counts`` (W,) per destination;
@@ -131,14 +131,12 @@ class ShardPlan:
         starts = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)
         segments = _segments(starts, layout.tile_shape[0])
         needs = _remote_needs(layout, starts, segments)
-        plan = cls.__new__(cls)
         # a shipped row moves its query (itemsize per element) and its partial result back (out and lse, in
         # float32, float64 for float64 inputs); a fetched key vector moves a key and a value
         ship_weight = (itemsize + (8 if itemsize == 8 else 4)) / (2 * itemsize)
         shipped = _choose_shipped(needs, segments, len(shard_sizes), *_kv_keys(needs.group, layout, kv_batch, kv_heads),
                                   kv_batch, kv_heads, ship_copies=q_batch * layout.heads, ship_weight=ship_weight)
-        plan.__init__(layout, shard_sizes, q_batch, kv_batch, kv_heads, needs, shipped, segments)
-        return plan
+        return cls(layout, shard_sizes, q_batch, kv_batch, kv_heads, needs, shipped, segments)
 
     def _fetch_table(self) -> dict[str, np.ndarray]:
         """The distinct fetches: (rank, example key, kv-head key, key block, owner) with the positions fetched
