@@ -35,7 +35,7 @@ CASES = [
 IDS = [case[0] for case in CASES]
 
 
-def _inputs(case, dtype, seed=0):
+def case_inputs(case, dtype, seed=0):
     _, pattern, batch, hq, hkv, n_q, n_k, dim, bs, causal, padded, n_global = case
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, hq, n_q, dim, generator=gen, dtype=torch.float64)    # (B, Hq, Nq, D)
@@ -55,7 +55,7 @@ def _inputs(case, dtype, seed=0):
     return [t.to(dtype).requires_grad_() for t in (q, k, v)], layout
 
 
-def _run(backend, q, k, v, layout, seed=1, scale=None):
+def run_case(backend, q, k, v, layout, seed=1, scale=None):
     """out, lse and (dq, dk, dv) of a loss that also flows through the (finite) lse; backend: a
     name, or a function (q, k, v, layout, scale) -> (out, lse)."""
     if callable(backend):
@@ -73,9 +73,9 @@ def _run(backend, q, k, v, layout, seed=1, scale=None):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_float64_matches_reference(case):
-    (q, k, v), layout = _inputs(case, torch.float64)
-    out, lse, grads = _run("numba", q, k, v, layout)
-    ref_out, ref_lse, ref_grads = _run("reference", q, k, v, layout)
+    (q, k, v), layout = case_inputs(case, torch.float64)
+    out, lse, grads = run_case("numba", q, k, v, layout)
+    ref_out, ref_lse, ref_grads = run_case("reference", q, k, v, layout)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)  # -inf where the reference has -inf
@@ -85,10 +85,10 @@ def test_float64_matches_reference(case):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_float32_within_tolerance_rule(case):
-    (q, k, v), layout = _inputs(case, torch.float32)
-    out, lse, grads = _run("numba", q, k, v, layout)
-    base_out, base_lse, base_grads = _run("reference", q, k, v, layout)
-    oracle_out, oracle_lse, oracle_grads = _run("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)),
+    (q, k, v), layout = case_inputs(case, torch.float32)
+    out, lse, grads = run_case("numba", q, k, v, layout)
+    base_out, base_lse, base_grads = run_case("reference", q, k, v, layout)
+    oracle_out, oracle_lse, oracle_grads = run_case("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)),
                                                 layout)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert torch.equal(torch.isinf(lse), torch.isinf(oracle_lse))
@@ -102,7 +102,7 @@ def test_float32_within_tolerance_rule(case):
 # ------------------------------------------------------------------------------------------------
 # Non-finite and overflowing inputs, large logits (issue 11, findings 1 and 2)
 # ------------------------------------------------------------------------------------------------
-def _reference_row_by_row(q, k, v, layout, scale=None):
+def reference_row_by_row(q, k, v, layout, scale=None):
     """The reference backend run on each query row alone, over exactly its allowed keys, stacked:
     attention over the allowed pairs only, for every value, NaN and inf included. (The reference
     backend itself multiplies a chunk's masked pairs by 0 in dense matmuls, so there a NaN also
@@ -125,7 +125,7 @@ def _reference_row_by_row(q, k, v, layout, scale=None):
     return torch.stack(outs).reshape(q.shape), torch.stack(lses).reshape(q.shape[:3])
 
 
-def _nonfinite_case(dtype, seed=0):
+def nonfinite_case(dtype, seed=0):
     """96 tokens in blocks of 16, Local(40) | Global(first=3), causal, the first 40 keys padded:
     rows 0-39 are empty; full and partial blocks; 2 query heads share 1 kv head."""
     n = 96
@@ -142,18 +142,18 @@ def _nonfinite_case(dtype, seed=0):
 _OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
 
-def _flat_run(backend, q, k, v, layout, scale=None):
-    """(out, lse, dq, dk, dv) of _run, from leaves q, k, v."""
-    out, lse, grads = _run(backend, *(t.requires_grad_() for t in (q, k, v)), layout, scale=scale)
+def flat_run(backend, q, k, v, layout, scale=None):
+    """(out, lse, dq, dk, dv) of run_case, from leaves q, k, v."""
+    out, lse, grads = run_case(backend, *(t.requires_grad_() for t in (q, k, v)), layout, scale=scale)
     return out, lse, *grads
 
 
-def _assert_agrees_row_by_row(q, k, v, layout, scale=None):
+def assert_agrees_row_by_row(q, k, v, layout, scale=None):
     """NaN and inf exactly where the reference, row by row in the inputs' dtype, has them (values,
     lse, dq, dk, dv), the finite rest within the DESIGN tolerance rule against float64."""
-    got = _flat_run("numba", *(t.clone() for t in (q, k, v)), layout, scale)
-    want = _flat_run(_reference_row_by_row, *(t.clone() for t in (q, k, v)), layout, scale)
-    oracle = _flat_run(_reference_row_by_row, *(t.double() for t in (q, k, v)), layout, scale)
+    got = flat_run("numba", *(t.clone() for t in (q, k, v)), layout, scale)
+    want = flat_run(reference_row_by_row, *(t.clone() for t in (q, k, v)), layout, scale)
+    oracle = flat_run(reference_row_by_row, *(t.double() for t in (q, k, v)), layout, scale)
     for name, x, y, z in zip(_OUTPUTS, got, want, oracle):
         assert torch.equal(torch.isnan(x), torch.isnan(y)), f"{name}: NaN at {(x.isnan() ^ y.isnan()).nonzero()}"
         assert torch.equal(torch.where(torch.isinf(x), x, 0), torch.where(torch.isinf(y), y, 0)), f"{name}: inf"
@@ -175,11 +175,11 @@ def test_non_finite_inputs_reach_exactly_what_meets_them(tensor, value, dtype):
     masks inside computed tiles) and at token 35 (a padded key, an empty row) of one tensor. Before,
     a NaN query row gave out 0 and lse -inf as if empty, a NaN key was dropped, and the backward
     had no NaN where the reference has them."""
-    q, k, v, layout = _nonfinite_case(dtype)
+    q, k, v, layout = nonfinite_case(dtype)
     x = {"q": q, "k": k, "v": v}[tensor]
     x[0, 0, 60, 3] = value
     x[0, 0, 35, 5] = value
-    out, lse, dq, dk, dv = _assert_agrees_row_by_row(q, k, v, layout)
+    out, lse, dq, dk, dv = assert_agrees_row_by_row(q, k, v, layout)
     assert not torch.isfinite(out).all()                                        # the value did reach something
     empty = slice(0, 40)                                   # empty rows and padded keys: 0, -inf, no gradient
     assert (out[:, :, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
@@ -201,14 +201,14 @@ def test_overflowing_inputs_agree_with_the_reference(dtype, magnitude):
     First every score overflows, then those of 6 huge queries with 6 huge keys (other rows see the
     huge keys through finite logits of order magnitude)."""
     gen = torch.Generator().manual_seed(1)
-    q, k, v, layout = _nonfinite_case(dtype)
+    q, k, v, layout = nonfinite_case(dtype)
     q, k = (_same_sign_rows(t.shape, magnitude, dtype, gen) for t in (q, k))
-    out, lse, *_ = _assert_agrees_row_by_row(q, k, v * magnitude, layout)
+    out, lse, *_ = assert_agrees_row_by_row(q, k, v * magnitude, layout)
     assert torch.isnan(out).any() and (lse == float("inf")).any() and (lse[:, :, 40:] == float("-inf")).any()
-    q, k, v, layout = _nonfinite_case(dtype)
+    q, k, v, layout = nonfinite_case(dtype)
     q[:, :, 70:76] = _same_sign_rows((1, 2, 6, 16), magnitude, dtype, gen)
     k[:, :, 60:66] = _same_sign_rows((1, 1, 6, 16), magnitude, dtype, gen)
-    out, *_ = _assert_agrees_row_by_row(q, k, v, layout)       # rows 80-95: huge but finite logits
+    out, *_ = assert_agrees_row_by_row(q, k, v, layout)       # rows 80-95: huge but finite logits
     assert torch.isnan(out[:, :, 70:76]).any() and torch.isfinite(out[:, :, 80:]).all()
 
 
@@ -220,9 +220,9 @@ def test_huge_scale_backward_is_exact():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     layout = sa.Dense().layout(64, heads=2)
-    got, base = (_flat_run(backend, *(t.float() for t in (q, k, v)), layout, 1e10)
+    got, base = (flat_run(backend, *(t.float() for t in (q, k, v)), layout, 1e10)
                  for backend in ("numba", "reference"))
-    oracle = _flat_run("reference", q, k, v, layout, 1e10)
+    oracle = flat_run("reference", q, k, v, layout, 1e10)
     for name, x, y, z in zip(_OUTPUTS, got, base, oracle):
         assert_within_rule(name, x, z, y)
 
@@ -238,15 +238,15 @@ def test_large_logits_backward_within_rule(pattern, n):
     q, k, v = (torch.randn(1, 2, n, 64, generator=gen, dtype=torch.float64) for _ in range(3))
     q, k = q * 900 ** 0.5, k * 900 ** 0.5                    # q . k / sqrt(64) has std 900
     layout = pattern.layout(n, heads=2)
-    got, base = (_flat_run(backend, *(t.float() for t in (q, k, v)), layout) for backend in ("numba", "reference"))
-    oracle = _flat_run("reference", q, k, v, layout)
+    got, base = (flat_run(backend, *(t.float() for t in (q, k, v)), layout) for backend in ("numba", "reference"))
+    oracle = flat_run("reference", q, k, v, layout)
     for name, x, y, z in zip(_OUTPUTS, got, base, oracle):
         assert_within_rule(name, x, z, y)
 
 
 def test_empty_rows_are_zero_with_minus_inf_lse_and_zero_grads():
-    (q, k, v), layout = _inputs(CASES[IDS.index("empty-rows")], torch.float32)
-    out, lse, (dq, dk, dv) = _run("numba", q, k, v, layout)
+    (q, k, v), layout = case_inputs(CASES[IDS.index("empty-rows")], torch.float32)
+    out, lse, (dq, dk, dv) = run_case("numba", q, k, v, layout)
     empty = torch.isinf(lse)                                                    # (B, Hq, Nq)
     assert empty.sum() > 0 and (~empty).sum() > 0
     assert (lse[empty] == float("-inf")).all()
@@ -257,19 +257,19 @@ def test_empty_rows_are_zero_with_minus_inf_lse_and_zero_grads():
 
 
 def test_non_contiguous_inputs():
-    (q, k, v), layout = _inputs(CASES[0], torch.float64)
+    (q, k, v), layout = case_inputs(CASES[0], torch.float64)
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
     assert not qt.is_contiguous()
-    out, lse, grads = _run("numba", qt, kt, vt, layout)
-    ref_out, ref_lse, ref_grads = _run("reference", q, k, v, layout)
+    out, lse, grads = run_case("numba", qt, kt, vt, layout)
+    ref_out, ref_lse, ref_grads = run_case("reference", q, k, v, layout)
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
     for grad, ref in zip(grads, ref_grads):
         torch.testing.assert_close(grad, ref, atol=1e-10, rtol=0)
 
 
 def test_deterministic_bitwise():
-    (q, k, v), layout = _inputs(CASES[IDS.index("gqa")], torch.float32)
-    first, second = _run("numba", q, k, v, layout), _run("numba", q, k, v, layout)
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.float32)
+    first, second = run_case("numba", q, k, v, layout), run_case("numba", q, k, v, layout)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
@@ -282,14 +282,14 @@ def test_backward_per_worker_dq_buffers(threads, case_id):
     than workers): exact at any thread count, bitwise reproducible at a given one."""
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip(f"needs {threads} Numba threads")
-    (q, k, v), layout = _inputs(CASES[IDS.index(case_id)], torch.float64)
+    (q, k, v), layout = case_inputs(CASES[IDS.index(case_id)], torch.float64)
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:
-        first, second = _run("numba", q, k, v, layout), _run("numba", q, k, v, layout)
+        first, second = run_case("numba", q, k, v, layout), run_case("numba", q, k, v, layout)
     finally:
         numba.set_num_threads(previous)
-    _, _, ref_grads = _run("reference", q, k, v, layout)
+    _, _, ref_grads = run_case("reference", q, k, v, layout)
     for grad, again, ref in zip(first[2], second[2], ref_grads):
         assert torch.equal(grad, again)
         torch.testing.assert_close(grad, ref, atol=1e-10, rtol=0)
@@ -322,7 +322,7 @@ def test_gradcheck_float64():
 
 
 def _op_args(dtype=torch.float32):
-    (q, k, v), layout = _inputs(CASES[IDS.index("gqa")], dtype)
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], dtype)
     return (q, k, v, *layout.index, layout.block_size, 0.25)
 
 
@@ -336,7 +336,7 @@ def test_opcheck():
 
 
 def test_torch_compile_fullgraph_forward_backward():
-    (q, k, v), layout = _inputs(CASES[IDS.index("gqa")], torch.float32)
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.float32)
 
     def attend(q, k, v):
         out, lse = sa.sparse_attention(q, k, v, layout, scale=0.2, backend="numba", return_lse=True)
@@ -353,13 +353,16 @@ def test_torch_compile_fullgraph_forward_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_inputs_compute_in_float32(dtype):
-    (q, k, v), layout = _inputs(CASES[0], dtype)
-    out, lse, grads = _run("numba", q, k, v, layout)
+def test_half_inputs_compute_in_float32(dtype, monkeypatch):
+    """float16 always, bfloat16 where the CPU has no native bf16 (here: as if; tests/test_numba_bf16.py
+    covers the bf16 matmuls)."""
+    monkeypatch.setattr(numba_cpu, "native_bf16", lambda: (False, "as if"))
+    (q, k, v), layout = case_inputs(CASES[0], dtype)
+    out, lse, grads = run_case("numba", q, k, v, layout)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert all(g.dtype == dtype for g in grads)
-    base_out, _, base_grads = _run("reference", q, k, v, layout)
-    oracle_out, _, oracle_grads = _run("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)), layout)
+    base_out, _, base_grads = run_case("reference", q, k, v, layout)
+    oracle_out, _, oracle_grads = run_case("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)), layout)
     assert_within_rule("out", out, oracle_out, base_out)
     for name, grad, base, oracle in zip(("dq", "dk", "dv"), grads, base_grads, oracle_grads):
         assert_within_rule(name, grad, oracle, base)

@@ -110,8 +110,11 @@ from numba.np.linalg import ensure_blas
 from ..layout import BlockLayout
 from .numba_bundles import (BackwardScratch, Config, ForwardResult, ForwardScratch, Gradients, Incoming, KeyBlock,
                             Panel, Segment, block_index, kv_example, query_examples, segment)
+from .numba_bf16 import (add_grads, add_pv, backward_operands, bits, forward_operands, grad_operands,
+                         head_backward, head_forward, probabilities, scores, scores_t, to_float)
+from .numba_bf16 import native as native_bf16
 from .numba_exact import exact_dk_dv, exact_dq_rows, exact_row
-from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add, gemm
+from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add
 
 BLOCK_SIZE = 64
 _PANEL_KEYS = 1024  # keys (or queries, in the backward) per score panel
@@ -125,25 +128,25 @@ _HALF = (torch.float16, torch.bfloat16)
 # Forward
 # ------------------------------------------------------------------------------------------------
 @njit(cache=True, fastmath=FASTMATH, parallel=True)
-def _forward(qkv, index, config, order, n_workers, result):
+def _forward(qkv, ops, index, config, order, n_workers, result):
     """Every forward task, taken in ``order`` (heaviest first) from a shared counter by n_workers
-    workers. qkv: q (B, Hq, Nq, D), k, v (B or 1, Hkv, Nk, D); index: the row BlockIndex; result: the
-    ForwardResult (B, Hq, Nq, ...) to write."""
+    workers. qkv: q (B, Hq, Nq, D), k, v (B or 1, Hkv, Nk, D); ops: their bf16 ForwardOperands for bf16
+    matmuls, or None; index: the row BlockIndex; result: the ForwardResult (B, Hq, Nq, ...) to write."""
     counter = np.zeros(1, np.int64)
-    for _ in prange(n_workers):
-        _forward_worker(counter, qkv, index, config, order, result)  # prange bodies only call: see numba_bundles
+    for w in prange(n_workers):
+        _forward_worker(counter, w, qkv, ops, index, config, order, result)  # prange bodies only call: see numba_bundles
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _forward_worker(counter, qkv, index, config, order, result):
-    """One worker: takes the next task from the counter until none is left. Task (example b, head h,
+def _forward_worker(counter, w, qkv, ops, index, config, order, result):
+    """Worker w: takes the next task from the counter until none is left. Task (example b, head h,
     query block r) is _forward_block on those rows."""
     q, k, v = qkv
     heads, n_q = q.shape[1], q.shape[2]
     group, n_k = heads // k.shape[1], k.shape[2]
     n_qb = index.full_ptr.shape[2] - 1
     block_size = config.block_size
-    scratch = _forward_scratch(q, min(block_size, n_q), min(config.panel_blocks * block_size, n_k), config)
+    scratch = _forward_scratch(result.out, min(block_size, n_q), min(config.panel_blocks * block_size, n_k), config)
     while True:
         t = fetch_add(counter)
         if t >= order.size:
@@ -152,14 +155,15 @@ def _forward_worker(counter, qkv, index, config, order, result):
         b, h, r = task // (heads * n_qb), task // n_qb % heads, task % n_qb
         rows = slice(r * block_size, min(r * block_size + block_size, n_q))
         e = kv_example(b, k.shape[0])
-        _forward_block(q[b, h, rows], k[e, h // group], v[e, h // group], segment(index, b, h, r), index, config,
-                       scratch, _result_rows(result, b, h, rows))
+        _forward_block(q[b, h, rows], k[e, h // group], v[e, h // group], head_forward(ops, w, b, e, h, h // group, rows),
+                       segment(index, b, h, r), index, config, scratch, _result_rows(result, b, h, rows))
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _forward_block(q, k, v, key_blocks, index, config, scratch, result):
-    """One query block: q (rows, D); k, v (Nk, D) of its kv head; key_blocks its Segment. Steps 1-3
-    of the algorithm; writes result (the block's rows of the ForwardResult)."""
+def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result):
+    """One query block: q (rows, D); k, v (Nk, D) of its kv head; ops: their bf16 operands or None;
+    key_blocks its Segment. Steps 1-3 of the algorithm; writes result (the block's rows of the
+    ForwardResult)."""
     rows = q.shape[0]
     n_k = k.shape[0]
     block_size, panel = config.block_size, scratch.panel
@@ -167,7 +171,6 @@ def _forward_block(q, k, v, key_blocks, index, config, scratch, result):
     m[:] = -np.inf
     l[:] = 0
     acc[:] = 0
-    zero, one = config.base2_scale - config.base2_scale, config.base2_scale / config.base2_scale
     rest = key_blocks
     while _has_blocks(rest):                                                     # 1. panel by panel
         count, rest = _next_panel(rest, panel, config.panel_blocks)
@@ -177,16 +180,17 @@ def _forward_block(q, k, v, key_blocks, index, config, scratch, result):
             end, j0, n = _run(panel.blocks, t, count, block_size, n_k)
             lo, hi = _run_span(t, end, n, panel.tiles, index.spans)              # the mask sets the rest
             off = t * block_size
-            gemm(config.base2_scale, q, False, k[j0 + lo:j0 + hi], True, zero, s[:, off + lo:off + hi])
+            scores(ops, config.base2_scale, q, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
             t = end
         _mask_panel(s, panel.tiles, count, block_size, index.masks, False)
         _online_softmax(s, m, l, acc, scratch.lanes, panel.blocks, block_size, result.argmax)
+        probabilities(ops, s)
         t = 0
         while t < count:                                                         # acc += P @ v
             end, j0, n = _run(panel.blocks, t, count, block_size, n_k)
             lo, hi = _run_span(t, end, n, panel.tiles, index.spans)
             off = t * block_size
-            gemm(one, s[:, off + lo:off + hi], False, v[j0 + lo:j0 + hi], False, one, acc)
+            add_pv(ops, s, off + lo, off + hi, v, j0 + lo, j0 + hi, acc)
             t = end
     _finish_rows(q, k, v, key_blocks, index.masks, config, m, l, acc, result)     # 3.
 
@@ -384,12 +388,12 @@ def _row_has_key(i, key_blocks, masks):
 
 
 @njit(cache=True)
-def _forward_scratch(q, rows, width, config):
+def _forward_scratch(out, rows, width, config):
     """A forward worker's ForwardScratch for blocks of up to ``rows`` queries and panels of up to
-    ``width`` keys, in q's dtype."""
-    dim = q.shape[-1]
-    return ForwardScratch(np.empty(rows * width, q.dtype), np.empty((rows, dim), q.dtype), np.empty(rows, q.dtype),
-                          np.empty(rows, q.dtype), np.empty(_LANES, q.dtype), _panel_scratch(config))
+    ``width`` keys, in the dtype of ``out`` (the dtype computed in)."""
+    dim, dtype = out.shape[-1], out.dtype
+    return ForwardScratch(np.empty(rows * width, dtype), np.empty((rows, dim), dtype), np.empty(rows, dtype),
+                          np.empty(rows, dtype), np.empty(_LANES, dtype), _panel_scratch(config))
 
 
 @njit(cache=True)
@@ -425,20 +429,20 @@ def _delta(out, dout, lse, dlse, zero, delta):
 
 
 @njit(cache=True, fastmath=FASTMATH, parallel=True)
-def _backward(qkv, result, incoming, maxima, columns, config, schedule, grads):
+def _backward(qkv, ops, result, incoming, maxima, columns, config, schedule, grads):
     """One pass over key blocks: worker w runs its static share of the tasks, ``schedule`` = (ptr,
     tasks): ``tasks[ptr[w]:ptr[w + 1]]``, and adds its dQ terms to its own buffer, grads.dq for
-    w = 0 and grads.dq_parts[w - 1] otherwise. maxima = (ptr, queries) from _maxima_by_key_block;
+    w = 0 and grads.dq_parts[w - 1] otherwise. ops: the bf16 BackwardOperands, or None; maxima = (ptr, queries) from _maxima_by_key_block;
     columns: the transposed BlockIndex; grads: the Gradients to write."""
     worker_ptr, tasks = schedule
     for w in prange(worker_ptr.size - 1):                # prange bodies only call: see numba_bundles
-        _backward_worker(tasks[worker_ptr[w]:worker_ptr[w + 1]], grads.dq if w == 0 else grads.dq_parts[w - 1],
-                         qkv, result, incoming, maxima, columns, config, grads)
+        _backward_worker(tasks[worker_ptr[w]:worker_ptr[w + 1]], w, grads.dq if w == 0 else grads.dq_parts[w - 1],
+                         qkv, ops, result, incoming, maxima, columns, config, grads)
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, grads):
-    """One worker's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
+def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, config, grads):
+    """Worker w's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
     there; each task (example e of k, v, kv head g, key block c) zeroes and then accumulates its own
     rows of grads.dk and grads.dv, over every query example that reads them (all B where k, v have
     batch 1), and recomputes by the exact path the keys whose result is not finite."""
@@ -449,7 +453,7 @@ def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, 
     n_kb = columns.full_ptr.shape[2] - 1
     block_size = config.block_size
     maxima_ptr, maxima_queries = maxima
-    scratch = _backward_scratch(q, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
+    scratch = _backward_scratch(grads.dq, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
     dq.reshape(-1)[:] = 0
     for task in tasks:
         e, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
@@ -464,7 +468,8 @@ def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, 
                 _backward_head(key_block, q[b, h], _result_rows(result, b, h, slice(0, n_q)),
                                Incoming(incoming.dout[b, h], incoming.dlse[b, h], incoming.delta[b, h]),
                                maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
-                               segment(columns, b, h, c), columns, config, scratch, dq[b, h])
+                               segment(columns, b, h, c), columns, config, scratch, dq[b, h],
+                               head_backward(ops, w, b, e, h, g, keys))
         if _finite(key_block.dk) and _finite(key_block.dv):
             continue
         for j in range(j0, j0 + key_block.k.shape[0]):
@@ -473,14 +478,14 @@ def _backward_worker(tasks, dq, qkv, result, incoming, maxima, columns, config, 
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns, config, scratch, dq):
+def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns, config, scratch, dq, ops):
     """One key block against one query head: adds to key_block.dk, .dv (cols, D) and to the head's
     dq (Nq, D). q (Nq, D), result and incoming: the query head's rows; maxima: its queries whose row
-    maximum is in this key block; query_blocks: the key block's Segment."""
+    maximum is in this key block; query_blocks: the key block's Segment; ops: the bf16 operands or None."""
     cols = key_block.k.shape[0]
     n_q = q.shape[0]
     block_size, panel, scale = config.block_size, scratch.panel, config.scale
-    zero, one = scale - scale, scale / scale
+    zero = scale - scale
     e = 0
     rest = query_blocks
     while _has_blocks(rest):
@@ -495,8 +500,8 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             lo, hi = _run_span(t, end, n, panel.tiles, columns.spans)            # the mask sets st elsewhere
             off = t * block_size
             q0, q1 = i0 + lo, i0 + hi                                            # S.T with the forward's alpha
-            gemm(config.base2_scale, key_block.k, False, q[q0:q1], True, zero, st[:, off + lo:off + hi])
-            gemm(one, key_block.v, False, incoming.dout[q0:q1], True, zero, dpt[:, off + lo:off + hi])
+            scores_t(ops, config.base2_scale, key_block, q, incoming.dout, q0, q1, st[:, off + lo:off + hi],
+                     dpt[:, off + lo:off + hi])
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0
             scratch.row_max[off:off + n] = result.row_max[i0:i0 + n]
@@ -508,14 +513,13 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
         _grad_scores_t(st, dpt, scratch.row_max[:width], scratch.log2_sum[:width], scratch.delta[:width],
                        zero)                                                     # st = dS.T, dpt = P.T
         _max_pair_grads(st, dpt, scratch.pins, pinned, result, incoming, key_block)
+        grad_operands(ops, st, dpt, scale)
         t = 0
         while t < count:
             end, i0, n = _run(panel.blocks, t, count, block_size, n_q)
             lo, hi = _run_span(t, end, n, panel.tiles, columns.spans)
             q0, q1, c0, c1 = i0 + lo, i0 + hi, t * block_size + lo, t * block_size + hi
-            gemm(one, dpt[:, c0:c1], False, incoming.dout[q0:q1], False, one, key_block.dv)  # dv += P.T @ dO
-            gemm(scale, st[:, c0:c1], False, q[q0:q1], False, one, key_block.dk)            # dk += dS.T @ q
-            gemm(scale, st[:, c0:c1], True, key_block.k, False, one, dq[q0:q1])             # dq += dS @ k
+            add_grads(ops, scale, key_block, st, dpt, c0, c1, q, incoming.dout, q0, q1, dq)  # dv, dk, dq
             t = end
 
 
@@ -599,7 +603,7 @@ def _max_pair_grads(st, dpt, pins, count, result, incoming, key_block):
         jj = result.argmax[i] - key_block.start
         total = incoming.dlse[i]
         for d in range(dout.shape[1]):
-            total += dout[i, d] * (v[jj, d] - out[i, d])
+            total += dout[i, d] * (to_float(v[jj, d]) - out[i, d])
         st[jj, c] = dpt[jj, c] * total
 
 
@@ -627,11 +631,12 @@ def _finite(x):
 
 
 @njit(cache=True)
-def _backward_scratch(q, cols, width, config):
+def _backward_scratch(dq, cols, width, config):
     """A backward worker's BackwardScratch for key blocks of up to ``cols`` keys and panels of up to
-    ``width`` queries, in q's dtype."""
-    return BackwardScratch(np.empty(cols * width, q.dtype), np.empty(cols * width, q.dtype), np.empty(width, q.dtype),
-                           np.empty(width, q.dtype), np.empty(width, q.dtype), np.empty((2, width), np.int64),
+    ``width`` queries, in the dtype of ``dq`` (the dtype computed in)."""
+    dtype = dq.dtype
+    return BackwardScratch(np.empty(cols * width, dtype), np.empty(cols * width, dtype), np.empty(width, dtype),
+                           np.empty(width, dtype), np.empty(width, dtype), np.empty((2, width), np.int64),
                            _panel_scratch(config))
 
 
@@ -689,7 +694,9 @@ def available() -> tuple[bool, str]:
         ensure_blas()                                    # the kernels' matmuls call scipy's BLAS
     except ImportError as error:
         return False, f"backend='numba' needs scipy (its BLAS): {error}"
-    return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads"
+    bf16, why = native_bf16()
+    return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads; bfloat16: " + (
+        why if bf16 else f"computed in float32 ({why})")
 
 
 def check(q, k, v, layout: BlockLayout) -> None:
@@ -705,10 +712,16 @@ def check(q, k, v, layout: BlockLayout) -> None:
 def attention(q, k, v, layout: BlockLayout, scale: float):
     """out (B, Hq, Nq, D) in q's dtype, lse (B, Hq, Nq) float32 (float64 for float64 inputs)."""
     dtype = q.dtype
-    if dtype in _HALF:
+    if dtype in _HALF and not bf16_matmuls(q, layout.block_size):
         q, k, v = q.float(), k.float(), v.float()
     out, lse, _, _ = numba_attention(q, k, v, *layout.index, layout.block_size, scale)
     return out.to(dtype), lse
+
+
+def bf16_matmuls(q: torch.Tensor, block_size: int) -> bool:
+    """Whether the kernels run q's matmuls in bfloat16: q is bf16, the CPU has native bf16 dot products
+    (``numba_bf16.native``), and the head dim and block size are even (brgemm reads pairs of rows)."""
+    return q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0 and block_size % 2 == 0 and native_bf16()[0]
 
 
 @torch.library.custom_op("sparse_attn::numba_attention", mutates_args=())
@@ -718,20 +731,24 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     full_t_idx: torch.Tensor, part_t_ptr: torch.Tensor, part_t_idx: torch.Tensor,
                     part_t_mask: torch.Tensor, block_size: int,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward kernel on float32/float64 CPU tensors: (out, lse, stats, argmax).
+    """Forward kernel on float32/float64 CPU tensors, or bf16 ones where ``bf16_matmuls``: (out, lse,
+    stats, argmax), float32 for bf16.
 
-    ``stats`` (2, B, Hq, Nq) in q's dtype and ``argmax`` (B, Hq, Nq) int64 are for the backward:
-    each row's base-2 score maximum and log2 of its sum, and the key holding the maximum."""
+    ``stats`` (2, B, Hq, Nq) and ``argmax`` (B, Hq, Nq) int64 are for the backward: each row's base-2
+    score maximum and log2 of its sum, and the key holding the maximum."""
+    dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)                                                    # (B, Hq, Nq, D)
-    lse = q.new_empty(q.shape[:3])                                               # (B, Hq, Nq)
-    stats = q.new_empty((2, *q.shape[:3]))                                       # (2, B, Hq, Nq)
+    ops = None if dtype == q.dtype else forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
+                                                        _panel_capacity(block_size, k.shape[2]))
+    out = q.new_empty(q.shape, dtype=dtype)                                      # (B, Hq, Nq, D)
+    lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
+    stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
     argmax = torch.empty(q.shape[:3], dtype=torch.int64)                         # (B, Hq, Nq)
     order = _heaviest_first(_task_costs(full_ptr, part_ptr, q.shape[0], q.shape[1]))
     rows = block_index(full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, transposed=False)
     result = ForwardResult(out.numpy(), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
     with KERNELS.running():
-        _forward((q.numpy(), k.numpy(), v.numpy()), rows, _config(q, block_size, scale), order,
+        _forward((_array(q), _array(k), _array(v)), ops, rows, _config(dtype, block_size, scale), order,
                  numba.get_num_threads(), result)
     return out, lse, stats, argmax
 
@@ -739,6 +756,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @numba_attention.register_fake
 def _(q, k, v, *layout_and_args):
     rows = q.shape[:3]
+    q = q.to(_computed_in(q))
     return torch.empty_like(q), q.new_empty(rows), q.new_empty((2, *rows)), q.new_empty(rows, dtype=torch.int64)
 
 
@@ -750,36 +768,39 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              masks: torch.Tensor, full_t_ptr: torch.Tensor, full_t_idx: torch.Tensor,
                              part_t_ptr: torch.Tensor, part_t_idx: torch.Tensor, part_t_mask: torch.Tensor,
                              block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward kernel: (dq, dk, dv) from dout and dlse, the gradients of out and lse; lse, stats
-    and argmax are the forward's."""
+    """Backward kernel: (dq, dk, dv) in q's dtype from dout and dlse, the gradients of out and lse;
+    lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls)."""
+    dtype = _computed_in(q)
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
+    ops = None if dtype == q.dtype else backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
+                                                         _panel_capacity(block_size, n_q))
     costs = _task_costs(full_t_ptr, part_t_ptr, batch, heads, k.shape[:2])
     schedule = _static_schedule(_heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dq_parts = q.new_empty((workers - 1, *q.shape))                              # (W-1, B, Hq, Nq, D)
+    dq, dk, dv = (torch.empty_like(t, dtype=dtype) for t in (q, k, v))
+    dq_parts = q.new_empty((workers - 1, *q.shape), dtype=dtype)                 # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
-    qkv = (q.numpy(), k.numpy(), v.numpy())
+    qkv = (_array(q), _array(k), _array(v))
     result = ForwardResult(out.numpy(), lse.numpy(), *stats.contiguous().numpy(), argmax.contiguous().numpy())
     incoming = Incoming(dout.numpy(), dlse.numpy(), delta.numpy())
     columns = block_index(full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, transposed=True)
-    config = _config(q, block_size, scale)
+    config = _config(dtype, block_size, scale)
     with KERNELS.running():
         _delta(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
-               dlse.view(rows).numpy(), _as(q, 0), delta.view(rows).numpy())
+               dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
         maxima = _maxima_by_key_block(result.argmax, block_size, full_t_ptr.shape[2] - 1)
-        _backward(qkv, result, incoming, maxima, columns, config, schedule,
+        _backward(qkv, ops, result, incoming, maxima, columns, config, schedule,
                   Gradients(dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy()))
         _sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy(), not_finite)
         if not_finite.any():
             exact_dq_rows(np.flatnonzero(not_finite), qkv, result, incoming,
                           block_index(full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, transposed=False),
                           config, dq.numpy())
-    return dq, dk, dv
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 
 @numba_attention_backward.register_fake
@@ -805,11 +826,26 @@ def _autograd_backward(ctx, dout, dlse, _dstats, _dargmax):
 numba_attention.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _config(q: torch.Tensor, block_size: int, scale: float) -> Config:
-    """Sizes and scales of a call, the scales in q's dtype so the kernels stay in float32 for float32."""
-    return Config(block_size, max(1, _PANEL_KEYS // block_size), _as(q, scale), _as(q, scale * _LOG2E))
+def _computed_in(q: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute in for q: its own, float32 for bf16 (bf16 matmuls, float32 softmax)."""
+    return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
-def _as(t: torch.Tensor, x: float):
-    """x as a numpy scalar of t's dtype."""
-    return np.float32(x) if t.dtype == torch.float32 else np.float64(x)
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as the kernels read it: a numpy view, bf16 as its bits (uint16)."""
+    return bits(t) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _config(dtype: torch.dtype, block_size: int, scale: float) -> Config:
+    """Sizes and scales of a call, the scales in the dtype computed in (float32 stays float32)."""
+    return Config(block_size, max(1, _PANEL_KEYS // block_size), _as(dtype, scale), _as(dtype, scale * _LOG2E))
+
+
+def _panel_capacity(block_size: int, n: int) -> int:
+    """The most columns a panel of a sequence of n tokens holds (as the kernels size their scratch)."""
+    return min(max(1, _PANEL_KEYS // block_size) * block_size, n)
+
+
+def _as(dtype: torch.dtype, x: float):
+    """x as a numpy scalar of a float32 or float64 dtype."""
+    return np.float32(x) if dtype == torch.float32 else np.float64(x)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .numba_bf16 import to_float
 from .numba_bundles import kv_example, query_examples, segment
 from .numba_lowlevel import like
 
@@ -46,7 +47,7 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
     for j in keys:
         w = np.exp(_score(q_i, k[j], scale) - shift) / norm
         for d in range(out_i.size):
-            acc[d] += w * v[j, d]
+            acc[d] += w * to_float(v[j, d])
     out_i[:] = acc
     if total == 0:
         return -np.inf, np.inf, 0.0, -1
@@ -73,7 +74,7 @@ def exact_dk_dv(qkv, result, incoming, columns, config, e, g, j):
                 p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
                 for d in range(dim):
                     acc_v[d] += p * incoming.dout[b, h, i, d]
-                    acc_k[d] += ds * q[b, h, i, d]
+                    acc_k[d] += ds * to_float(q[b, h, i, d])
     return config.scale * acc_k, acc_v
 
 
@@ -97,7 +98,7 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
     for j in _allowed(i % block_size, key_blocks, index.masks, block_size, k.shape[2], False):
         _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
         for d in range(dim):
-            acc[d] += ds * k[kv_example(b, k.shape[0]), g, j, d]
+            acc[d] += ds * to_float(k[kv_example(b, k.shape[0]), g, j, d])
     dq[b, h, i] = config.scale * acc
 
 
@@ -118,7 +119,7 @@ def _pair_grads(qkv, result, incoming, config, b, h, i, j):
         p = np.exp2((0.0 if x > 0 else x) - result.log2_sum[b, h, i])
     dp = 0.0
     for d in range(do_i.size):
-        dp += np.float64(do_i[d]) * np.float64(v_j[d])
+        dp += np.float64(do_i[d]) * np.float64(to_float(v_j[d]))
     return p, p * (dp - incoming.delta[b, h, i])
 
 
@@ -152,5 +153,5 @@ def _score(x, y, scale):
     product), so that it overflows where the reference's does; summed in float64, returned as float64."""
     dot = 0.0
     for d in range(x.size):
-        dot += np.float64(x[d]) * np.float64(y[d])
+        dot += np.float64(to_float(x[d])) * np.float64(to_float(y[d]))
     return np.float64(like(scale, like(scale, dot) * scale))

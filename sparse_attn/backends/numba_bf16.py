@@ -1,0 +1,392 @@
+"""bfloat16 matmuls for the Numba kernels: oneDNN's brgemm micro-kernel (through torch), bf16 operands
+packed the way it reads them, and float32 -> bf16 rounding inside the kernels.
+
+>>> import torch
+>>> from sparse_attn.backends.numba_bf16 import pairs, to_float
+>>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.bfloat16)       # (K=3, N=2)
+>>> b = pairs(x)                                 # rows in pairs, the odd one padded with zeros: (K/2, N, 2)
+>>> b.shape, [to_float(b[0, 1, i]) for i in range(2)]                           # rows 0 and 1 of column 1
+((2, 2, 2), [2.0, 4.0])
+
+Why brgemm: torch's CPU flash attention calls it, and libtorch_cpu exports it
+(``at::native::cpublas::brgemm`` for bf16 A, B and a float32 C); on AVX512-BF16 (and AMX) it runs
+``vdpbf16ps``: 300-440 GFLOP/s on one core for the kernels' panel shapes, against 80-150 for
+OpenBLAS sgemm (scipy's OpenBLAS exports no sbgemm) and about 100 for MKL's cblas_gemm_bf16bf16f32,
+which does not use the bf16 instructions on AMD (docs/backend-numba.md has the table). Its B
+operand is "VNNI" packed: rows in pairs, (K/2, N, 2), so a bf16 pair of B is one 32-bit lane.
+
+The kernels reach these matmuls through the overloaded functions below: with ``ops = None`` they are
+the float32/float64 BLAS calls, with a bundle of packed bf16 operands the brgemm calls, so the
+kernels have one body for both.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import NamedTuple
+
+import llvmlite.binding as llvm
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .numba_lowlevel import FASTMATH, gemm
+
+# at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
+#                             float* C, bool is_vnni): C (M, N) (+)= A (M, K) @ B, B packed (K/2, ld_b, 2)
+_BRGEMM = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+
+
+@functools.cache
+def _brgemm_address() -> int | None:
+    """The address of torch's bf16 brgemm, or None where this torch does not export it."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    try:
+        return ctypes.cast(getattr(lib, _BRGEMM), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def native() -> tuple[bool, str]:
+    """(whether bf16 inputs run on bf16 matmuls here, why or why not). Needs a CPU with native bf16
+    dot products (AVX512-BF16 or AMX-BF16: elsewhere oneDNN would emulate them, slower than float32),
+    torch's brgemm, and oneDNN enabled (torch raises inside brgemm otherwise)."""
+    features = llvm.get_host_cpu_features()
+    if not (features.get("avx512bf16") or features.get("amx-bf16")):
+        return False, "no native bf16 dot products on this CPU (AVX512-BF16 or AMX-BF16)"
+    if _brgemm_address() is None:
+        return False, f"this torch ({torch.__version__}) exports no bf16 brgemm"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False, "oneDNN is disabled (torch.backends.mkldnn.enabled)"
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+        return False, "ONEDNN_MAX_CPU_ISA is set"
+    return True, "bf16 matmuls on oneDNN brgemm (AVX512-BF16)"
+
+
+if _brgemm_address() is not None:
+    llvm.add_symbol(_BRGEMM, _brgemm_address())          # before any cached kernel that calls it links
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side: bf16 bits and packing
+# ------------------------------------------------------------------------------------------------
+def bits(t: torch.Tensor) -> np.ndarray:
+    """The bf16 values of t as a C-contiguous uint16 numpy array (the bits, shared with a bf16 tensor)."""
+    return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def pairs(t: torch.Tensor) -> np.ndarray:
+    """t (..., N, D) as brgemm's B for a product over N: (..., ceil(N/2), D, 2) uint16, row 2r + i of t
+    at [..., r, :, i], a zero row after an odd N."""
+    t = t.to(torch.bfloat16).view(torch.int16)
+    if t.shape[-2] % 2:
+        t = torch.cat([t, t.new_zeros((*t.shape[:-2], 1, t.shape[-1]))], dim=-2)
+    return t.unflatten(-2, (-1, 2)).transpose(-1, -2).contiguous().numpy().view(np.uint16)
+
+
+def pairs_t(t: torch.Tensor) -> np.ndarray:
+    """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N, 2) uint16."""
+    words = t.to(torch.bfloat16).contiguous().view(torch.int32).transpose(-1, -2).contiguous()  # (..., D/2, N)
+    return words.numpy().view(np.uint16).reshape(*words.shape, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel side: brgemm, rounding
+# ------------------------------------------------------------------------------------------------
+@intrinsic
+def _call_brgemm(typingctx, m, n, k, ld_a, ld_b, ld_c, add, a, b, c):
+    """torch's brgemm on the data of arrays a (uint16), b (uint16, packed), c (float32)."""
+    def codegen(context, builder, signature, args):
+        i64, i32, void_p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i64] * 6 + [i32, void_p, void_p, void_p, i32])  # bools as int
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _BRGEMM)
+
+        def data(value, ty):
+            return builder.bitcast(context.make_array(ty)(context, builder, value).data, void_p)
+
+        sig = signature.args
+        sizes = [context.cast(builder, v, t, types.int64) for v, t in zip(args[:6], sig[:6])]
+        builder.call(fn, [*sizes, builder.zext(args[6], i32), data(args[7], sig[7]), data(args[8], sig[8]),
+                          data(args[9], sig[9]), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(m, n, k, ld_a, ld_b, ld_c, add, a, b, c), codegen
+
+
+@njit(cache=True)
+def brgemm(a, b, ld_b, c, add):
+    """c (M, N) (+)= a (M, K) @ B, B (K/2, ld_b, 2) packed by ``pairs`` and read from the start of the
+    flat uint16 array b. a, c: row slices with unit column stride (any row stride); K = a's columns."""
+    m, n = c.shape
+    if m == 0 or n == 0 or a.shape[1] == 0:
+        if not add:
+            c[:] = 0
+        return
+    _call_brgemm(m, n, a.shape[1], a.strides[0] // 2, ld_b, c.strides[0] // 4, add, a, b, c)
+
+
+@intrinsic
+def _float32_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _bits_float32(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+def _as_float(x):
+    """to_float's typed implementations."""
+
+
+@overload(_as_float)
+def _as_float_impl(x):
+    if x == types.uint16:
+        return lambda x: _bits_float32(np.uint32(x) << np.uint32(16))
+    return lambda x: x
+
+
+@njit(cache=True)
+def to_float(x):
+    """A scalar as a float: bf16 bits (uint16) as float32, float32 and float64 as they are."""
+    return _as_float(x)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def round_bf16(x):
+    """float32 -> the bits of the nearest bfloat16 (ties to even; NaN stays NaN)."""
+    u = _float32_bits(x)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.uint16(np.uint32(0x7FC0) if nan else rounded)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def to_bf16(x, scale, out, width):
+    """out[:, :width] = bf16(scale * x) for x (rows, W) float32, W <= width; columns W..width are 0."""
+    rows, cols = x.shape
+    for i in range(rows):
+        for j in range(cols):
+            out[i, j] = round_bf16(scale * x[i, j])
+        for j in range(cols, width):
+            out[i, j] = 0
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def to_bf16_t(x, scale, out, width):
+    """out[:, :width] = bf16(scale * x).T for x (rows, W) float32, W <= out's rows; columns rows..width
+    and rows W.. of out are 0."""
+    rows, cols = x.shape
+    for j in range(cols):
+        for i in range(rows):
+            out[j, i] = round_bf16(scale * x[i, j])
+        for i in range(rows, width):
+            out[j, i] = 0
+    out[cols:] = 0
+
+
+@njit(cache=True)
+def even(n):
+    """n rounded up to even."""
+    return n + (n & 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels' matmuls: float (ops = None: BLAS ?gemm) or bf16 (ops: packed operands, brgemm)
+# ------------------------------------------------------------------------------------------------
+class ForwardOperands(NamedTuple):
+    """bf16 operands of the forward (from ``forward_operands``), or one query block's (``head_forward``)."""
+
+    q: np.ndarray          # (B, Hq, Nq, D) uint16
+    kt: np.ndarray         # (Bkv, Hkv, D/2, Nk, 2) k.T packed
+    v: np.ndarray          # (Bkv, Hkv, ceil(Nk/2), D, 2) v packed
+    p: np.ndarray          # (workers, rows * even(width)) scratch: P in bf16
+
+
+def forward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workers: int, rows: int,
+                     width: int) -> ForwardOperands:
+    """The packed bf16 operands of a forward, and scratch for ``workers`` panels of rows x width."""
+    return ForwardOperands(bits(q), pairs_t(k), pairs(v), np.empty((workers, rows * even(width)), np.uint16))
+
+
+class BackwardOperands(NamedTuple):
+    """bf16 operands of the backward (from ``backward_operands``), or one (key block, query head)'s."""
+
+    k: np.ndarray          # (Bkv, Hkv, Nk, D) uint16
+    v: np.ndarray          # (Bkv, Hkv, Nk, D)
+    k_pairs: np.ndarray    # (Bkv, Hkv, ceil(Nk/2), D, 2) k packed: dq += dS @ k
+    qt: np.ndarray         # (B, Hq, D/2, Nq, 2) q.T packed: S.T = k @ q.T
+    doutt: np.ndarray      # (B, Hq, D/2, Nq, 2) dout.T packed: dP.T = v @ dout.T
+    q_pairs: np.ndarray    # (B, Hq, ceil(Nq/2), D, 2) q packed: dk += dS.T @ q
+    dout_pairs: np.ndarray  # (B, Hq, ceil(Nq/2), D, 2) dout packed: dv += P.T @ dout
+    halves: np.ndarray     # (workers, 3, even(cols) * even(width)) scratch: P.T, dS.T and dS in bf16
+
+
+def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, workers: int,
+                      cols: int, width: int) -> BackwardOperands:
+    """The packed bf16 operands of a backward, and scratch for ``workers`` panels of cols x width."""
+    dout = dout.to(torch.bfloat16)
+    return BackwardOperands(bits(k), bits(v), pairs(k), pairs_t(q), pairs_t(dout), pairs(q), pairs(dout),
+                            np.empty((workers, 3, even(cols) * even(width)), np.uint16))
+
+
+def head_forward(ops, w, b, e, h, g, rows):
+    """Worker w's operands for query block ``rows`` of head h of example b (kv head g of example e)."""
+
+
+@overload(head_forward)
+def _head_forward(ops, w, b, e, h, g, rows):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, w, b, e, h, g, rows: None
+    return lambda ops, w, b, e, h, g, rows: ForwardOperands(ops.q[b, h, rows], ops.kt[e, g], ops.v[e, g], ops.p[w])
+
+
+def head_backward(ops, w, b, e, h, g, keys):
+    """Worker w's operands for key block ``keys`` of kv head g of example e against query head h of b."""
+
+
+@overload(head_backward)
+def _head_backward(ops, w, b, e, h, g, keys):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, w, b, e, h, g, keys: None
+    return lambda ops, w, b, e, h, g, keys: BackwardOperands(
+        ops.k[e, g, keys], ops.v[e, g, keys], ops.k_pairs[e, g], ops.qt[b, h], ops.doutt[b, h], ops.q_pairs[b, h],
+        ops.dout_pairs[b, h], ops.halves[w])
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _nt(a, bt, lo, alpha, out):
+    """out (rows, n) = alpha a @ x[lo:lo + n].T, x.T packed in bt (D/2, N, 2)."""
+    brgemm(a, bt.reshape(-1)[lo * 2:], bt.shape[1], out, False)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[i, j] *= alpha
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _nn_add(a, c0, c1, b_pairs, lo, hi, out):
+    """out (rows, D) += a[:, c0:c1] @ x[lo:hi], x packed in pairs of rows in b_pairs (ceil(N/2), D, 2).
+    The row range widens to even bounds: a's extra columns must hold 0 (masked pairs of the same block,
+    or the zero column after the sequence's last row)."""
+    shift, tail, dim = lo & 1, hi & 1, out.shape[1]
+    brgemm(a[:, c0 - shift:c1 + tail], b_pairs.reshape(-1)[(lo - shift) * dim:], dim, out, True)
+
+
+def scores(ops, alpha, q, k, lo, hi, s):
+    """Forward: s (rows, hi - lo) = alpha q @ k[lo:hi].T, q (rows, D), k (Nk, D)."""
+
+
+@overload(scores)
+def _scores(ops, alpha, q, k, lo, hi, s):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, alpha, q, k, lo, hi, s: gemm(alpha, q, False, k[lo:hi], True, alpha - alpha, s)
+    return lambda ops, alpha, q, k, lo, hi, s: _nt(ops.q, ops.kt, lo, alpha, s)
+
+
+def probabilities(ops, p):
+    """Forward, before ``add_pv``: P (rows, W) in the matmul dtype (bf16: into ops.p)."""
+
+
+@overload(probabilities)
+def _probabilities(ops, p):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, p: None
+    return lambda ops, p: to_bf16(p, np.float32(1), _view(ops.p, p.shape[0], even(p.shape[1])), even(p.shape[1]))
+
+
+def add_pv(ops, p, c0, c1, v, lo, hi, acc):
+    """Forward: acc (rows, D) += P[:, c0:c1] @ v[lo:hi], P (rows, W) after ``probabilities``."""
+
+
+@overload(add_pv)
+def _add_pv(ops, p, c0, c1, v, lo, hi, acc):
+    if isinstance(ops, types.NoneType):
+        def blas(ops, p, c0, c1, v, lo, hi, acc):
+            one = p.dtype.type(1)
+            gemm(one, p[:, c0:c1], False, v[lo:hi], False, one, acc)
+        return blas
+    return lambda ops, p, c0, c1, v, lo, hi, acc: _nn_add(_view(ops.p, p.shape[0], even(p.shape[1])), c0, c1,
+                                                          ops.v, lo, hi, acc)
+
+
+def scores_t(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
+    """Backward: st (cols, n) = alpha k @ q[lo:hi].T and dpt (cols, n) = v @ dout[lo:hi].T, k and v
+    the key block's (cols, D)."""
+
+
+@overload(scores_t)
+def _scores_t(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
+    if isinstance(ops, types.NoneType):
+        def blas(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
+            zero, one = alpha - alpha, alpha / alpha
+            gemm(alpha, key_block.k, False, q[lo:hi], True, zero, st)
+            gemm(one, key_block.v, False, dout[lo:hi], True, zero, dpt)
+        return blas
+
+    def bf16(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
+        _nt(ops.k, ops.qt, lo, alpha, st)
+        _nt(ops.v, ops.doutt, lo, np.float32(1), dpt)
+    return bf16
+
+
+def grad_operands(ops, st, dpt, scale):
+    """Backward, before ``add_grads``: dS.T and P.T (cols, W) in the matmul dtype (bf16: scale dS.T,
+    its transpose and P.T into ops.halves)."""
+
+
+@overload(grad_operands)
+def _grad_operands(ops, st, dpt, scale):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, st, dpt, scale: None
+
+    def bf16(ops, st, dpt, scale):
+        cols, width = st.shape
+        pt, dst, ds = _halves(ops, cols, width)
+        to_bf16(dpt, np.float32(1), pt, even(width))
+        to_bf16(st, scale, dst, even(width))
+        to_bf16_t(st, scale, ds, even(cols))
+    return bf16
+
+
+@njit(cache=True)
+def _halves(ops, cols, width):
+    """(P.T, scale dS.T, scale dS) views of a worker's bf16 scratch: (cols, even(W)) twice, (even(W), even(cols))."""
+    return (_view(ops.halves[0], cols, even(width)), _view(ops.halves[1], cols, even(width)),
+            _view(ops.halves[2], even(width), even(cols)))
+
+
+def add_grads(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
+    """Backward: dv += P.T[:, c0:c1] @ dout[q0:q1], dk += scale dS.T[:, c0:c1] @ q[q0:q1] (the key
+    block's rows) and dq[q0:q1] += scale dS[c0:c1] @ k, from st = dS.T and dpt = P.T (cols, W)."""
+
+
+@overload(add_grads)
+def _add_grads(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
+    if isinstance(ops, types.NoneType):
+        def blas(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
+            one = scale / scale
+            gemm(one, dpt[:, c0:c1], False, dout[q0:q1], False, one, key_block.dv)
+            gemm(scale, st[:, c0:c1], False, q[q0:q1], False, one, key_block.dk)
+            gemm(scale, st[:, c0:c1], True, key_block.k, False, one, dq[q0:q1])
+        return blas
+
+    def bf16(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
+        cols, width = st.shape
+        pt, dst, ds = _halves(ops, cols, width)
+        _nn_add(pt, c0, c1, ops.dout_pairs, q0, q1, key_block.dv)
+        _nn_add(dst, c0, c1, ops.q_pairs, q0, q1, key_block.dk)
+        brgemm(ds[c0:c1], ops.k_pairs.reshape(-1)[key_block.start * q.shape[1]:], q.shape[1], dq[q0:q1], True)
+    return bf16
+
+
+@njit(cache=True)
+def _view(buffer, rows, width):
+    """A (rows, width) C-contiguous view of the start of a flat scratch buffer."""
+    return buffer[:rows * width].reshape((rows, width))

@@ -1,0 +1,183 @@
+"""The Numba backend's bfloat16 matmuls (oneDNN brgemm through torch) against the float64 reference:
+the DESIGN rule in bf16 (at most 2x the error of torch's own bf16 attention, plus a floor) on
+values, lse, dq, dk and dv, on every case of test_numba_backend, and the pieces underneath."""
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+import torch
+
+import sparse_attn as sa
+from sparse_attn.backends import numba_bf16, numba_cpu
+
+from .test_numba_backend import (CASES, IDS, assert_agrees_row_by_row, case_inputs, flat_run, nonfinite_case,
+                                 run_case)
+from .tolerance import assert_within_rule
+
+NATIVE, WHY = numba_bf16.native()
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"bf16 matmuls do not run here: {WHY}")
+
+
+def _floor(oracle):
+    """FlashAttention's floor for half precision (its tests' ``fwd_atol``): twice what rounding to bf16
+    loses at the oracle's magnitude, ``(x + 0.3 - 0.3) - x`` in bf16. One bf16 rounding of a result
+    can land a whole ulp from the true value when torch's lands half an ulp from it."""
+    oracle = oracle.double()
+    return 2 * ((oracle.bfloat16() + 0.3 - 0.3).double() - oracle).abs().max().item() if oracle.numel() else 0.0
+
+
+def _within_rule(q, k, v, layout, scale=None):
+    """numba on bf16 q, k, v against the float64 reference, allowed 2x torch's bf16 error (the
+    reference backend computing in bf16) + _floor; returns numba's (out, lse, grads)."""
+    got = run_case("numba", q, k, v, layout, scale=scale)
+    base = run_case("reference", q, k, v, layout, scale=scale)
+    oracle = run_case("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)), layout, scale=scale)
+    (out, lse, grads), (base_out, base_lse, base_grads), (oracle_out, oracle_lse, oracle_grads) = got, base, oracle
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    assert torch.equal(torch.isinf(lse), torch.isinf(oracle_lse))
+    finite = torch.isfinite(oracle_lse)
+    assert_within_rule("out", out, oracle_out, base_out, _floor(oracle_out))
+    assert_within_rule("lse", lse[finite], oracle_lse[finite], base_lse[finite], 1e-5)   # float32, as torch's
+    for name, grad, base_grad, oracle_grad in zip(("dq", "dk", "dv"), grads, base_grads, oracle_grads):
+        assert_within_rule(name, grad, oracle_grad, base_grad, _floor(oracle_grad))
+    return got
+
+
+@needs_native
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_bf16_within_tolerance_rule(case):
+    (q, k, v), layout = case_inputs(case, torch.bfloat16)
+    assert numba_cpu.bf16_matmuls(q, layout.block_size)
+    _within_rule(q, k, v, layout)
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 63, 65, 1000, 1100])
+def test_bf16_odd_and_ragged_lengths(n):
+    """Odd lengths pad the packed operands with a zero row; blocks of 64 and panels of 1024 keys."""
+    gen = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=gen).bfloat16().requires_grad_() for _ in range(3))
+    _within_rule(q, k, v, (sa.Local(300) | sa.Global(first=5)).layout(n, heads=2))
+
+
+@needs_native
+def test_bf16_matmuls_change_the_result():
+    """The bf16 path runs (its rounding differs from computing in float32) and stays within the rule."""
+    (q, k, v), layout = case_inputs(CASES[IDS.index("mqa-block64")], torch.bfloat16)
+    bf16 = sa.sparse_attention(q, k, v, layout, backend="numba")
+    as_float = sa.sparse_attention(q.float(), k.float(), v.float(), layout, backend="numba").bfloat16()
+    assert not torch.equal(bf16, as_float)
+
+
+@needs_native
+def test_bf16_non_contiguous_and_deterministic():
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.bfloat16)
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    assert not qt.is_contiguous()
+    first, second, plain = run_case("numba", qt, kt, vt, layout), run_case("numba", qt, kt, vt, layout), \
+        run_case("numba", q, k, v, layout)
+    for a, b, c in zip((first[0], first[1], *first[2]), (second[0], second[1], *second[2]),
+                       (plain[0], plain[1], *plain[2])):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@needs_native
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_bf16_non_finite_inputs_reach_exactly_what_meets_them(tensor, value):
+    """Rows and keys that meet a NaN or inf go to the exact path, as in float32."""
+    q, k, v, layout = nonfinite_case(torch.bfloat16)
+    x = {"q": q, "k": k, "v": v}[tensor]
+    x[0, 0, 60, 3] = value
+    x[0, 0, 35, 5] = value
+    out, lse, dq, dk, dv = assert_agrees_row_by_row(q, k, v, layout)
+    assert not torch.isfinite(out).all()
+    empty = slice(0, 40)
+    assert (out[:, :, empty] == 0).all() and (lse[:, :, empty] == float("-inf")).all()
+    assert (dq[:, :, empty] == 0).all() and (dk[:, :, empty] == 0).all() and (dv[:, :, empty] == 0).all()
+
+
+@needs_native
+def test_bf16_large_logits_within_rule():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 500, 64, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, k = q * 30, k * 30                                        # q . k / sqrt(64) has std ~900
+    layout = (sa.Local(100) | sa.Global(first=3)).layout(500, heads=2)
+    got, base = (flat_run(backend, *(t.bfloat16() for t in (q, k, v)), layout) for backend in ("numba", "reference"))
+    oracle = flat_run("reference", *(t.bfloat16().double() for t in (q, k, v)), layout)
+    for name, x, y, z in zip(("out", "lse", "dq", "dk", "dv"), got, base, oracle):
+        assert_within_rule(name, x, z, y, 1e-5 if name == "lse" else _floor(z))
+
+
+def test_odd_head_dim_and_disabled_onednn_compute_in_float32():
+    """brgemm reads pairs along the head dim; oneDNN off makes torch's brgemm raise: both run the
+    float32 path, bitwise equal to float32 inputs."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 100, 15, generator=gen).bfloat16()
+    layout = sa.Local(20).layout(100, heads=2)
+    assert not numba_cpu.bf16_matmuls(q, layout.block_size)
+    out = sa.sparse_attention(q, q, q, layout, backend="numba")
+    assert torch.equal(out, sa.sparse_attention(q.float(), q.float(), q.float(), layout, backend="numba").bfloat16())
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert not numba_bf16.native()[0] and "oneDNN" in numba_bf16.native()[1]
+
+
+def test_available_says_which_path_bf16_takes():
+    ok, reason = numba_cpu.available()
+    assert ok and "bfloat16: " in reason and (("brgemm" in reason) == NATIVE)
+
+
+def test_round_bf16_matches_torch():
+    x = torch.tensor([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, -2.5e-40, 3.4e38, float("inf"), -float("inf"), float("nan"),
+                      0.0, -0.0, 1e-45])
+    x = torch.cat([x, torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e3])
+    want = x.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    got = np.array([numba_bf16.round_bf16(np.float32(value)) for value in x.numpy()], np.uint16)
+    nan = np.isnan(x.numpy())
+    assert np.array_equal(got[~nan], want[~nan]) and (got[nan] == 0x7FC0).all()
+    assert [numba_bf16.to_float(np.uint16(bits)) for bits in want[:3]] == [1.0, 1.0, 1 + 2 ** -6]
+
+
+def test_pairs_layouts():
+    t = torch.arange(3 * 4, dtype=torch.float32).reshape(3, 4).bfloat16()      # (N=3, D=4)
+    rows = numba_bf16.pairs(t)                                                  # (2, 4, 2)
+    as_float = np.vectorize(lambda b: numba_bf16.to_float(np.uint16(b)))
+    assert as_float(rows[0]).T.tolist() == t[:2].float().tolist() and as_float(rows[1, :, 1]).tolist() == [0] * 4
+    cols = numba_bf16.pairs_t(t)                                                # (D/2=2, N=3, 2)
+    assert as_float(cols).transpose(1, 0, 2).reshape(3, 4).tolist() == t.float().tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("m, n, k, first", [(64, 64, 64, 0), (7, 50, 33, 3), (1, 1, 2, 0), (64, 1024, 64, 10)])
+def test_brgemm_matches_float32_products(m, n, k, first):
+    """c (+)= a @ B[:, first:first + n] on row slices with row strides, B packed with pairs_t."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k + 3, generator=gen).bfloat16()
+    b = torch.randn(first + n + 2, k, generator=gen).bfloat16()                # B.T (rows of B.T: N)
+    c = torch.randn(m, n + 5, generator=gen)
+    want = c[:, :n] + a[:, :k].float() @ b[first:first + n].float().T
+    bt = torch.nn.functional.pad(b, (0, k % 2))                                # an even K for pairs_t
+    packed = numba_bf16.pairs_t(bt)
+    numba_bf16.brgemm(numba_bf16.bits(a)[:, :k], packed.reshape(-1)[first * 2:], packed.shape[1], c.numpy()[:, :n],
+                      True)
+    torch.testing.assert_close(c[:, :n], want, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_opcheck_bf16():
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.bfloat16)
+    args = (*layout.index, layout.block_size, 0.25)
+    torch.library.opcheck(numba_cpu.numba_attention, (q, k, v, *args))
+    out, lse, stats, argmax = (t.detach() for t in numba_cpu.numba_attention(q, k, v, *args))
+    assert out.dtype == torch.float32
+    torch.library.opcheck(numba_cpu.numba_attention_backward,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, stats, argmax,
+                           torch.randn_like(lse), *args))
+
+
+def test_docstring_examples():
+    result = doctest.testmod(numba_bf16, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0 and result.attempted > 0
