@@ -264,6 +264,8 @@ def _head_backward(ops, w, b, e, h, g, keys):
 def _nt(a, bt, lo, alpha, out):
     """out (rows, n) = alpha a @ x[lo:lo + n].T, x.T packed in bt (D/2, N, 2)."""
     brgemm(a, bt.reshape(-1)[lo * 2:], bt.shape[1], out, False)
+    if alpha == 1:
+        return
     for i in range(out.shape[0]):
         for j in range(out.shape[1]):
             out[i, j] *= alpha
