@@ -1,11 +1,12 @@
 """CPU kernels: backend="numba" against FlexAttention (same blocks), the reference and dense SDPA.
 
     python benchmarks/cpu_kernels.py [--quick] [--n 4096 16384 65536] [--repeats 5] [--no-scale]
-                                     [--out benchmarks/results]
+                                     [--impls ...] [--out benchmarks/results]
 
-B=1, H=8, D=64, float32, pattern ``Local(256) | Global(first=16)``. For every N it times, in one
-process and interleaved (repeat r runs every implementation once before repeat r+1), the forward
-and the forward+backward of
+B=1, H=8, D=64, pattern ``Local(256) | Global(first=16)``, float32, and bfloat16 for the names ending
+in ``-bf16`` (``numba-bf16``: bf16 matmuls where the CPU has native bf16, see docs/backend-numba.md).
+For every N it times, in one process and interleaved (repeat r runs every implementation once
+before repeat r+1), the forward and the forward+backward of
 
 - ``numba``: ``sparse_attention(..., backend="numba")`` with a prebuilt block-64 ``BlockLayout``;
 - ``flex-64`` / ``flex-128``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()`` of
@@ -13,8 +14,8 @@ and the forward+backward of
 - ``reference``: ``backend="reference"`` (torch, chunked dense rows);
 - ``sdpa-dense``: ``scaled_dot_product_attention`` with no mask, the cost sparse attention avoids;
 
-plus ``torch.mm`` of 4096^3 float32 (the machine's matmul rate), in the same rounds. Times are
-medians. Throughput is GFLOP/s on computed blocks, ``layout.flops(D)`` for the forward (3.5x that
+plus ``torch.mm`` of 4096^3 in float32 and in bfloat16 (the machine's matmul rates), in the same
+rounds, and the load average before each N (the machine is shared). Times are medians. Throughput is GFLOP/s on computed blocks, ``layout.flops(D)`` for the forward (3.5x that
 for forward+backward). The scale points (forward+backward at N=262,144 and forward at N=1,048,576)
 run each in a fresh subprocess that reports time and peak resident memory.
 Writes ``cpu_kernels.json`` and ``cpu_kernels.md`` into ``--out``.
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
+from sparse_attn.backends import numba_bf16
 
 BATCH, HEADS, DIM = 1, 8, 64
 PATTERN = sa.Local(256) | sa.Global(first=16)
@@ -46,9 +48,10 @@ SLOW_FLOPS = {"reference": 1e11, "sdpa-dense": 1e12}  # skip above these dense F
 SCALE_POINTS = ((262_144, True), (1_048_576, False))
 
 
-def _inputs(n: int, grad: bool):
+def _inputs(n: int, grad: bool, dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(BATCH, HEADS, n, DIM, generator=gen).requires_grad_(grad) for _ in range(3)]  # (B, H, N, D)
+    return [torch.randn(BATCH, HEADS, n, DIM, generator=gen).to(dtype).requires_grad_(grad)  # (B, H, N, D)
+            for _ in range(3)]
 
 
 def _timed(fn) -> float:
@@ -57,9 +60,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _runner(name: str, n: int):
+def _runner(impl: str, n: int):
     """(forward, forward+backward, FLOPs of one forward, skip reason or None) for one implementation."""
-    q, k, v = _inputs(n, grad=True)
+    name = impl.removesuffix("-bf16")
+    q, k, v = _inputs(n, grad=True, dtype=torch.bfloat16 if impl.endswith("-bf16") else torch.float32)
     dense_flops = 4 * BATCH * HEADS * n * n * DIM
     if name == "numba" or name == "reference":
         layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
@@ -101,14 +105,15 @@ def _runner(name: str, n: int):
     return forward, forward_backward, flops, None
 
 
-def _matmul():
-    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+def _matmul(dtype: torch.dtype):
+    a, b = torch.randn(4096, 4096).to(dtype), torch.randn(4096, 4096).to(dtype)
     return lambda: torch.mm(a, b)
 
 
 def run_sizes(lengths, impls, repeats):
-    results, mm_times = [], []
+    results, mm_times, mm_bf16_times, load = [], [], [], {}
     for n in lengths:
+        load[n] = machine.load_average()
         runners = {}
         for name in impls:
             forward, forward_backward, flops, skip = _runner(name, n)
@@ -118,10 +123,11 @@ def run_sizes(lengths, impls, repeats):
             else:
                 results.append({"n": n, "impl": name, "skipped": skip, "flops_forward": flops})
         times = {name: ([], []) for name in runners}
-        matmul = _matmul()
-        matmul()
+        matmul, matmul_bf16 = _matmul(torch.float32), _matmul(torch.bfloat16)
+        matmul(), matmul_bf16()
         for r in range(repeats):
             mm_times.append(_timed(matmul))
+            mm_bf16_times.append(_timed(matmul_bf16))
             for name, (forward, forward_backward, _, _) in runners.items():
                 slow = times[name][0] and times[name][0][-1] > 5                # one sample is enough
                 if r == 0 or not slow:
@@ -136,9 +142,12 @@ def run_sizes(lengths, impls, repeats):
                             "flops_forward": flops, "forward_gflops": flops / fwd / 1e9,
                             "forward_backward_gflops": 3.5 * flops / fwd_bwd / 1e9 if fwd_bwd else None,
                             "warmup_s": compile_s})
-            print(f"N={n:>7} {name:>10}: forward {fwd * 1e3:9.1f} ms  fwd+bwd "
+            print(f"N={n:>7} {name:>15}: forward {fwd * 1e3:9.1f} ms  fwd+bwd "
                   f"{fwd_bwd * 1e3 if fwd_bwd else float('nan'):9.1f} ms  {flops / fwd / 1e9:6.1f} GFLOP/s", flush=True)
-    return results, 2 * 4096 ** 3 / statistics.median(mm_times) / 1e9, mm_times
+    rates = {"matmul_gflops": 2 * 4096 ** 3 / statistics.median(mm_times) / 1e9, "matmul_samples_s": mm_times,
+             "matmul_bf16_gflops": 2 * 4096 ** 3 / statistics.median(mm_bf16_times) / 1e9,
+             "matmul_bf16_samples_s": mm_bf16_times}
+    return results, rates, load
 
 
 def scale_point(n: int, backward: bool) -> dict:
@@ -181,11 +190,19 @@ def _target_lines(results, mm_gflops) -> list[str]:
     at = {(r["n"], r["impl"]): r for r in results if "forward_s" in r}
     lines = []
     for n in sorted({r["n"] for r in results}):
-        numba_ = at.get((n, "numba"))
+        numba_, bf16 = at.get((n, "numba")), at.get((n, "numba-bf16"))
+        if numba_ and bf16:
+            lines.append(f"- N={n}: numba-bf16 is {numba_['forward_s'] / bf16['forward_s']:.2f}x faster than numba "
+                         f"float32 in the forward (target >= 1.6x at N=16384), "
+                         f"{numba_['forward_backward_s'] / bf16['forward_backward_s']:.2f}x in forward+backward "
+                         f"(target >= 1.4x)")
+        if bf16 and (n, "flex-64-bf16") in at:
+            lines.append(f"- N={n}: numba-bf16 forward is {at[(n, 'flex-64-bf16')]['forward_s'] / bf16['forward_s']:.2f}x "
+                         f"faster than FlexAttention bf16 on the same blocks (flex-64-bf16; target >= 2.5x)")
         flex = [at[(n, f)] for f in ("flex-64", "flex-128") if (n, f) in at]
         if not numba_:
             continue
-        if flex:
+        if flex and numba_:
             best = min(flex, key=lambda r: r["forward_s"])
             lines.append(f"- N={n}: numba forward is {best['forward_s'] / numba_['forward_s']:.2f}x faster than "
                          f"FlexAttention at its best block ({best['impl']}; target >= 1.5x at N=16384)")
@@ -201,14 +218,19 @@ def write(out_dir: Path, record: dict, command: str) -> None:
     (out_dir / "cpu_kernels.json").write_text(json.dumps(record, indent=2) + "\n")
     m = record["machine"]
     lines = [
-        "# CPU kernels: numba vs FlexAttention, reference and dense SDPA", "",
+        "# CPU kernels: numba vs FlexAttention, reference and dense SDPA, float32 and bfloat16", "",
         f"`{command}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"numba {m['numba']} ({m['numba_threads']} threads); load average {m['loadavg_before']} before, "
-        f"{m['loadavg_after']} after (the machine is shared: compare ratios within this run).", "",
-        f"B={BATCH}, H={HEADS}, D={DIM}, float32, `{PATTERN_NAME}`. Median of {record['repeats']} interleaved "
+        f"{m['loadavg_after']} after, before each N: "
+        + ", ".join(f"{n}: {tuple(round(x, 2) for x in load)}" for n, load in record["loadavg_by_n"].items())
+        + " (the machine is shared: compare ratios within this run).", "",
+        f"B={BATCH}, H={HEADS}, D={DIM}, `{PATTERN_NAME}`; float32, and bfloat16 for `-bf16` "
+        f"(bf16 matmuls in numba: {record['numba_bf16']}). Median of {record['repeats']} interleaved "
         f"repeats. GFLOP/s on computed blocks (`layout.flops(D)`, x3.5 for forward+backward). "
-        f"fp32 matmul rate (torch.mm 4096^3, same run): **{record['matmul_gflops']:.0f} GFLOP/s**.", "",
+        f"Matmul rates (torch.mm 4096^3, same run): fp32 **{record['matmul_gflops']:.0f} GFLOP/s**, "
+        f"bf16 **{record['matmul_bf16_gflops']:.0f} GFLOP/s**. Speed-up: of numba in the same dtype "
+        f"(numba or numba-bf16) over the row's implementation.", "",
         "| N | implementation | forward ms | fwd+bwd ms | forward GFLOP/s | fwd+bwd GFLOP/s | numba speed-up (fwd) |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -217,7 +239,7 @@ def write(out_dir: Path, record: dict, command: str) -> None:
         if "skipped" in r:
             lines.append(f"| {r['n']} | {r['impl']} | skipped: {r['skipped']} | | | | |")
             continue
-        base = at.get((r["n"], "numba"))
+        base = at.get((r["n"], "numba-bf16" if r["impl"].endswith("-bf16") else "numba"))
         speedup = f"{r['forward_s'] / base['forward_s']:.2f}x" if base else ""
         if r["forward_backward_s"] is None:
             fb, fb_rate = "no CPU backward in torch", ""
@@ -243,7 +265,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N=4096 only, 3 repeats, no scale points")
     parser.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--impls", nargs="+", default=["numba", "flex-64", "flex-128", "reference", "sdpa-dense"])
+    parser.add_argument("--impls", nargs="+", default=["numba", "numba-bf16", "flex-64", "flex-64-bf16", "flex-128",
+                                                       "reference", "sdpa-dense", "sdpa-dense-bf16"])
     parser.add_argument("--no-scale", action="store_true", help="skip the N=262K / 1M scale points")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--scale-point", type=int, help=argparse.SUPPRESS)
@@ -256,12 +279,12 @@ def main() -> None:
     where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
              **machine.versions(("torch", "numba")), "torch_threads": torch.get_num_threads(),
              "numba_threads": numba.get_num_threads(), "loadavg_before": machine.load_average()}
-    results, mm_gflops, mm_times = run_sizes(lengths, args.impls, repeats)
+    results, rates, load_by_n = run_sizes(lengths, args.impls, repeats)
     scale = [] if args.quick or args.no_scale else run_scale_points()
     where["loadavg_after"] = machine.load_average()
-    record = {"machine": where, "batch": BATCH, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
-              "pattern": PATTERN_NAME, "repeats": repeats, "matmul_gflops": mm_gflops, "matmul_samples_s": mm_times,
-              "results": results, "scale": scale}
+    record = {"machine": where, "loadavg_by_n": load_by_n, "batch": BATCH, "heads": HEADS, "head_dim": DIM,
+              "dtypes": ["float32", "bfloat16"], "numba_bf16": numba_bf16.native()[1], "pattern": PATTERN_NAME,
+              "repeats": repeats, **rates, "results": results, "scale": scale}
     write(args.out, record, "python benchmarks/cpu_kernels.py " + " ".join(sys.argv[1:]))
     print((args.out / "cpu_kernels.md").read_text())
 
