@@ -65,11 +65,18 @@ what a block and a panel can hold in this sequence, however large ``block_size``
 zeroed inside the kernel by the worker that owns them.
 
 Matmuls call BLAS ?gemm directly (the binding Numba's ``np.dot`` uses), with alpha, beta and
-transposes, so there are no temporary products or extra additions.
+transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm
+through torch (``numba_bf16``: the kernels call its functions, which are these gemm calls when
+their first argument, the bf16 operands, is None).
 
 Precision: float32 and float64 are computed in their own dtype (float32 with a vectorisable
-degree-7 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML); float16 and
-bfloat16 inputs are computed in float32 and returned in the input dtype. Recomputing P is what
+degree-7 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML). bfloat16
+inputs, where ``bf16_matmuls`` (a CPU with native bf16 dot products, even head dim and block
+size), run every matmul above on bf16 operands with float32 accumulation: q, k, v and dO as given,
+P and scale * dS rounded to bf16 just before their matmuls (as torch's bf16 attention rounds them);
+scores, m, l, acc, lse, delta and the gradient sums stay float32, and out, dq, dk, dv are rounded
+to bf16 once, at the end. float16 inputs, and bfloat16 ones elsewhere, are computed in float32
+and returned in the input dtype. Recomputing P is what
 large logits punish: BLAS rounds a score a few ulps differently in the backward's matmul shapes
 than in the forward's (float32; float64 agrees here), and ``exp2`` turns an absolute error of the
 score into a relative error of P (with scale=1e10, 3 ulps turned P = 1 into 0). So the backward
@@ -94,8 +101,8 @@ Code
 This module: the kernels in the order above (forward, backward, scheduling), then the host side
 (the backend interface and two torch custom ops). Next to it: ``numba_bundles`` (the namedtuples
 the kernels pass: the layout's index as they walk it, sizes and scales, results, gradients,
-scratch), ``numba_exact`` (the exact path) and ``numba_lowlevel`` (BLAS ``gemm``, ``exp2``, the
-atomic counter, fastmath flags, BLAS threads).
+scratch), ``numba_bf16`` (the bf16 matmuls and operands), ``numba_exact`` (the exact path) and
+``numba_lowlevel`` (BLAS ``gemm``, ``exp2``, the atomic counter, fastmath flags, BLAS threads).
 """
 from __future__ import annotations
 

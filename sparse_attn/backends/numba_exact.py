@@ -8,7 +8,8 @@ forward (``exact_row``), the keys of the backward's dk, dv (``exact_dk_dv``) and
 overflow where torch's do. Finite inputs never come here unless a value overflows.
 
 Bundles (``qkv`` = (q, k, v), ``ForwardResult``, ``Incoming``, ``BlockIndex``, ``Config``) are
-those of ``numba_bundles``.
+those of ``numba_bundles``; q, k, v are float arrays, or bf16 bits (uint16) read through
+``numba_bf16.to_float``.
 """
 from __future__ import annotations
 
