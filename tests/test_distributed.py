@@ -1,0 +1,425 @@
+"""sparse_attn.distributed against single-process ``sparse_attention``, and the ShardPlan it runs.
+
+The distributed cases run on gloo ranks on this machine's CPU: ONE spawn per world size (2 and 4) runs
+every case of CASES (and the error checks) on every rank, each case in its own process group with a
+collective timeout, and appends each rank's outcome to a file; one pytest test per (world, case) reads
+it. A spawn is bounded in time (a hung collective fails its case, never hangs the run). On each rank a
+case builds the whole q, k, v from a seed, runs the single-process ``sa.sparse_attention`` (same backend,
+autograd) as the oracle, runs the distributed call on the rank's shard, back-propagates the same
+gradient and compares out, lse, dq, dk and dv of the shard: float64 to 1e-12 relative, float32 by
+DESIGN's tolerance rule (tests/tolerance.py: error against the float64 single-process result at most
+2x that of the float32 single-process result, plus a floor).
+
+The ShardPlan tests need no processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import sparse_attn as sa
+from sparse_attn import distributed
+from sparse_attn.shard_plan import ShardPlan
+from tests.tolerance import assert_within_rule
+
+WORLDS = (2, 4)
+SPAWN_SECONDS = 240          # the whole spawn of one world size (import, every case, every check)
+COLLECTIVE_SECONDS = 15      # one collective that waits for a rank that never comes
+BLOCK = 64                   # the block size of the reference and numba backends' layouts
+
+
+class Case(NamedTuple):
+    """One distributed run: ``pattern`` over ``n`` tokens split into ``shards[world]`` (rank order)."""
+
+    pattern: sa.Pattern
+    n: int
+    shards: dict[int, tuple[int, ...]]
+    batch: int = 1
+    heads: int = 2
+    kv_heads: int = 2
+    kv_batch: int | None = None            # None: the batch of q
+    dtype: torch.dtype = torch.float64
+    backend: str = "reference"
+    call: dict | None = None                # causal, key_padding_mask, global_mask, documents (whole sequence)
+    strided: bool = False                   # shards stored (B, n, H, D)-major: non-contiguous q, k, v
+
+
+def even(n: int, *worlds: int) -> dict[int, tuple[int, ...]]:
+    """Shards as equal as can be, for each world size: even(10, 4) -> {4: (3, 3, 2, 2)}."""
+    return {w: tuple(len(part) for part in np.array_split(np.arange(n), w)) for w in worlds}
+
+
+def _masks(batch: int, n: int, seed: int, *, padding=None, globals_=None):
+    """key_padding_mask / global_mask (B, n) bool: ``padding`` a fraction drawn from ``seed`` (plus a long
+    padded run in example 0, so that some rows see no key at all), ``globals_`` per-example token lists."""
+    call = {}
+    if padding is not None:
+        mask = torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) < padding
+        mask[0, 40:60] = True
+        call["key_padding_mask"] = mask
+    if globals_ is not None:
+        mask = torch.zeros(batch, n, dtype=torch.bool)
+        for example, tokens in enumerate(globals_):
+            mask[example, list(tokens)] = True
+        call["global_mask"] = mask
+    return call
+
+
+LONGFORMER = sa.Local(24) | sa.Global(first=3)
+CASES = {
+    "longformer": Case(LONGFORMER, 512, even(512, 2, 4)),
+    "longformer-float32": Case(LONGFORMER, 512, even(512, 2, 4), dtype=torch.float32),
+    "longformer-global-tokens": Case(sa.longformer(window=16, global_tokens=(0, 130, 333)), 400, even(400, 2, 4)),
+    "bigbird": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
+                    even(256, 2, 4)),
+    "bigbird-float32": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
+                            even(256, 2, 4), dtype=torch.float32),
+    "random-blocks": Case(sa.Random(2, seed=5, block_size=16) | sa.Local(4), 256, even(256, 2, 4)),
+    "causal-window": Case(sa.Local(20, 0) & sa.Causal(), 300, {2: (130, 170), 4: (75, 75, 70, 80)}),
+    "causal-argument": Case(sa.Local(20) | sa.Global(first=2), 300, even(300, 2, 4), call={"causal": True}),
+    "per-head": Case(sa.PerHead([sa.Local(8), sa.Global(first=2) | sa.Local(3, 0), sa.Stride(17) & sa.Causal(),
+                                 sa.Random(1, seed=3, block_size=16) | sa.Local(1)]), 200, even(200, 2, 4),
+                     heads=4, kv_heads=4),
+    "gqa": Case(LONGFORMER, 300, even(300, 2, 4), heads=4, kv_heads=1),
+    "gqa-per-head": Case(sa.PerHead([sa.Local(5), sa.Local(30, 0), sa.Global(last=4) | sa.Local(2),
+                                     sa.Stride(40)]), 260, even(260, 2, 4), heads=4, kv_heads=2),
+    "kv-batch-1": Case(LONGFORMER, 300, even(300, 2, 4), batch=3, kv_batch=1),
+    "key-padding": Case(sa.Local(3) | sa.Global(first=1), 200, even(200, 2, 4), batch=2,
+                        call=_masks(2, 200, 0, padding=0.2)),
+    # example 0's globals 5 and 150 are on rank 0 and rank 1 (of 2) / rank 0 and 3 (of 4); example 1's 90 on
+    # rank 0 / rank 1: rows on every rank see them, and they see every rank's keys
+    "global-mask": Case(sa.Local(6), 200, {2: (100, 100), 4: (50, 50, 50, 50)}, batch=2,
+                        call=_masks(2, 200, 1, globals_=[(5, 150), (90,)])),
+    "global-mask-and-padding": Case(sa.Local(6, 0), 200, {2: (77, 123), 4: (1, 64, 70, 65)}, batch=2,
+                                    call=_masks(2, 200, 2, padding=0.1, globals_=[(199,), (3, 64, 120)])),
+    "documents": Case(sa.Local(10) | sa.Global(first=1), 300, even(300, 2, 4), batch=2,
+                      call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1, 100]], 300)}),
+    "documents-causal-random": Case(sa.Random(1, seed=2, block_size=16) | sa.Local(7, 0), 300, {2: (90, 210),
+                                    4: (90, 13, 100, 97)}, batch=2, call={"causal": True, "documents":
+                                    sa.documents_from_lengths([[95, 200], [31, 31, 31, 200]], 300)}),
+    "unequal-shards": Case(LONGFORMER, 300, {2: (237, 63), 4: (1, 130, 6, 163)}),
+    "one-token-last": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=1), 200,
+                           {2: (199, 1), 4: (64, 1, 70, 65)}),
+    # rank 0's rows need no remote key (test_a_rank_that_needs_nothing_remote checks its plan)
+    "documents-at-shard-boundary": Case(sa.Local(20) | sa.Global(first=1), 200, {2: (100, 100), 4: (100, 50, 25, 25)},
+                                        call={"documents": sa.documents_from_lengths([[100, 100]], 200)}),
+    "causal-window-rank-0-alone": Case(sa.Local(16, 0) & sa.Causal(), 256, even(256, 2, 4)),
+    "non-contiguous": Case(LONGFORMER, 300, {2: (150, 150), 4: (1, 99, 100, 100)}, batch=2, heads=4, kv_heads=2,
+                           strided=True),
+    "prebuilt-layout": Case(LONGFORMER.layout(300, heads=2), 300, {2: (130, 170), 4: (64, 64, 64, 108)}),
+    "short-sequence": Case(sa.Local(5) | sa.Global(first=1), 40, {2: (25, 15), 4: (10, 10, 10, 10)}),
+    "numba": Case(LONGFORMER, 512, {2: (200, 312), 4: (100, 150, 62, 200)}, backend="numba"),
+    "numba-float32": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
+                          even(256, 2, 4), dtype=torch.float32, backend="numba"),
+    "numba-documents-gqa": Case(sa.Local(10) | sa.Global(first=1), 300, {2: (100, 200), 4: (1, 99, 100, 100)},
+                                batch=2, heads=4, kv_heads=2, backend="numba",
+                                call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1]], 300)}),
+}
+
+
+# --- one case on one rank ---------------------------------------------------------------------------------
+def full_inputs(case: Case):
+    """q (B, Hq, n, D), k, v (Bk, Hkv, n, D) and the output gradient, float64, the same on every rank."""
+    gen = torch.Generator().manual_seed(case.n)
+    kv_batch = case.batch if case.kv_batch is None else case.kv_batch
+    q = torch.randn(case.batch, case.heads, case.n, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(kv_batch, case.kv_heads, case.n, 16, generator=gen, dtype=torch.float64) for _ in "kv")
+    return q, k, v, torch.randn(q.shape, generator=gen, dtype=torch.float64)
+
+
+def attend(attention, q, k, v, grad_out, case: Case, **options):
+    """out, lse, dq, dk, dv of ``attention`` (single-process or distributed) on copies of q, k, v."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention(q, k, v, case.pattern, backend=case.backend, return_lse=True, **(case.call or {}),
+                         **options)
+    (out.double() * grad_out).sum().backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def check_case(case: Case, rank: int, world: int, group) -> None:
+    """This rank's shard of the distributed run equals its part of the single-process one."""
+    start = sum(case.shards[world][:rank])
+    rows = slice(start, start + case.shards[world][rank])
+    q, k, v, grad_out = full_inputs(case)
+    oracle = attend(sa.sparse_attention, q, k, v, grad_out, case)                  # float64
+    baseline = attend(sa.sparse_attention, *(t.to(case.dtype) for t in (q, k, v)), grad_out, case)
+    shards = [t[:, :, rows].to(case.dtype) for t in (q, k, v)]
+    if case.strided:
+        shards = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in shards]    # (B, H, n_rank, D) views
+        assert shards[0].shape[2] == 1 or not shards[0].is_contiguous()
+    got = attend(distributed.sparse_attention, *shards, grad_out[:, :, rows], case, group=group)
+    for what, mine, ref, base in zip(("out", "lse", "dq", "dk", "dv"), got, oracle, baseline):
+        ref, base = ref[:, :, rows], base[:, :, rows]
+        assert mine.dtype == base.dtype and mine.shape == ref.shape, f"{what}: {mine.dtype} {tuple(mine.shape)}"
+        if what == "lse":
+            assert torch.equal(torch.isneginf(mine), torch.isneginf(ref)), "lse: -inf rows differ"
+            finite = torch.isfinite(ref)
+            mine, ref, base = mine[finite], ref[finite], base[finite]
+        if case.dtype == torch.float64:
+            error = (mine - ref).abs().max().item() if ref.numel() else 0.0
+            allowed = 1e-12 * max(1.0, ref.abs().max().item() if ref.numel() else 0.0)
+            assert error <= allowed, f"{what}: max error {error:.3e} > {allowed:.3e}"
+        else:
+            assert_within_rule(what, mine, ref, base)
+
+
+def check_different_patterns(rank: int, world: int, group) -> None:
+    """Ranks passing different patterns: a ValueError on every rank, no hang."""
+    q = torch.randn(1, 2, 32, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"different arguments .* ranks \[1"):
+        distributed.sparse_attention(q, q, q, sa.Local(4 + rank), group=group)
+
+
+def check_part_of_a_mask(name: str, rank: int, world: int, group) -> None:
+    """A mask of this rank's length (its part of the whole-sequence mask): a ValueError naming it."""
+    n, n_rank = 32 * world, 32
+    q = torch.randn(2, 2, n_rank, 8, dtype=torch.float64)
+    whole = (sa.documents_from_lengths([[n // 2, n // 2]] * 2, n) if name == "documents"
+             else torch.arange(n).repeat(2, 1) % 7 == 0)                          # (2, n)
+    with pytest.raises(ValueError, match=f"{name} covers the whole sequence"):
+        distributed.sparse_attention(q, q, q, sa.Local(4), group=group,
+                                     **{name: whole[:, rank * n_rank:(rank + 1) * n_rank]})
+
+
+def rank_checks(world: int):
+    """(name, check(rank, world, group)) for every check a spawn of ``world`` ranks runs, in order."""
+    checks = [(name, lambda r, w, g, case=case: check_case(case, r, w, g))
+              for name, case in CASES.items() if world in case.shards]
+    checks.append(("different-patterns", check_different_patterns))
+    checks += [(f"part-of-{name}", lambda r, w, g, name=name: check_part_of_a_mask(name, r, w, g))
+               for name in ("key_padding_mask", "global_mask", "documents")]
+    return checks
+
+
+def warm_up() -> None:
+    """The first calls' costs (imports, numba's compiled kernels from its cache), paid before any collective
+    waits for them: in the parent, it writes numba's cache once instead of every rank compiling."""
+    for backend in ("reference", "numba"):
+        for dtype in (torch.float64, torch.float32):
+            q = torch.randn(1, 1, 8, 4, dtype=dtype, requires_grad=True)
+            sa.sparse_attention(q, q, q, sa.Local(1), backend=backend).sum().backward()
+
+
+def worker(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a spawn: every check, each in a new process group whose collectives time out after
+    COLLECTIVE_SECONDS, then a barrier of all ranks; one JSON line per check and rank."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    warm_up()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=SPAWN_SECONDS))
+    with open(Path(folder) / f"rank{rank}.jsonl", "w") as log:
+        for name, check in rank_checks(world):
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
+            began = time.perf_counter()
+            try:
+                check(rank, world, group)
+                error = None
+            except Exception:                                    # recorded, the parent's test fails with it
+                error = traceback.format_exc()
+            log.write(json.dumps({"check": name, "error": error, "seconds": time.perf_counter() - began}) + "\n")
+            log.flush()
+            dist.barrier()             # the next check starts together, even after a rank timed out in this one
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, folder: Path) -> dict:
+    """Run every check on ``world`` ranks: {check: [each rank's error or None, or "missing ..."]}."""
+    warm_up()
+    context = mp.start_processes(worker, args=(world, free_port(), str(folder)), nprocs=world, join=False,
+                                 start_method="spawn")
+    deadline, crash = time.monotonic() + SPAWN_SECONDS, None
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.1), grace_period=5):
+            if time.monotonic() > deadline:
+                crash = f"the spawn of {world} ranks ran past {SPAWN_SECONDS} s and was killed"
+                break
+    except Exception as exc:                                      # a rank died (its traceback is in exc)
+        crash = f"a rank crashed: {exc}"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    outcomes = {name: [f"rank {r} did not finish {name!r}: {crash}" for r in range(world)]
+                for name, _ in rank_checks(world)}
+    for r in range(world):
+        path = folder / f"rank{r}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else ():
+            record = json.loads(line)
+            outcomes[record["check"]][r] = record["error"]
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """ranks(world) -> the outcomes of one spawn of ``world`` ranks (spawned once per module)."""
+    spawned = {}
+
+    def outcomes(world: int) -> dict:
+        if world not in spawned:
+            spawned[world] = spawn(world, tmp_path_factory.mktemp(f"world{world}"))
+        return spawned[world]
+    return outcomes
+
+
+def assert_every_rank_passed(outcomes: dict, check: str) -> None:
+    failures = [f"rank {r}:\n{error}" for r, error in enumerate(outcomes[check]) if error is not None]
+    assert not failures, "\n".join(failures)
+
+
+# --- distributed: one test per (world, case) ------------------------------------------------------------
+# Bugs of sparse_attn.distributed these tests found, not fixed yet (the reports say how):
+SKIPPED_EXCHANGE = pytest.mark.xfail(strict=True, reason=(
+    "distributed._all_to_all skips dist.all_to_all_single on a rank that sends and receives nothing while the "
+    "other ranks call it: they wait for it until the collective times out (rank 0 of 4 here)"))
+MASK_MESSAGE = pytest.mark.xfail(strict=True, reason=(
+    "each rank's own part of a mask differs from the others', so _shard_sizes raises 'different arguments' "
+    "before the check that names the mask and says to pass the whole sequence's"))
+KNOWN_BUGS = {(4, "documents-at-shard-boundary"): SKIPPED_EXCHANGE}
+
+
+@pytest.mark.parametrize("world, name", [pytest.param(w, name, marks=KNOWN_BUGS.get((w, name), ()))
+                                         for name, case in CASES.items() for w in WORLDS if w in case.shards])
+def test_shards_equal_single_process(ranks, world, name):
+    assert_every_rank_passed(ranks(world), name)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_with_different_patterns_all_raise(ranks, world):
+    assert_every_rank_passed(ranks(world), "different-patterns")
+
+
+@MASK_MESSAGE
+@pytest.mark.parametrize("name", ["key_padding_mask", "global_mask", "documents"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_mask_of_the_shard_raises_naming_it(ranks, world, name):
+    assert_every_rank_passed(ranks(world), f"part-of-{name}")
+
+
+def test_needs_an_initialised_process_group():
+    assert not dist.is_initialized()
+    q = torch.randn(1, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        distributed.sparse_attention(q, q, q, sa.Local(2))
+
+
+# --- the plans of the cases -----------------------------------------------------------------------------
+def case_plan(case: Case, world: int) -> ShardPlan:
+    call = case.call or {}
+    layout = case.pattern.layout(case.n, heads=case.heads, block_size=BLOCK, **call)
+    kv_batch = case.batch if case.kv_batch is None else case.kv_batch
+    return ShardPlan.build(layout, case.shards[world], kv_heads=case.kv_heads, q_batch=case.batch, kv_batch=kv_batch,
+                           itemsize=torch.finfo(case.dtype).bits // 8)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", ["documents-at-shard-boundary", "causal-window-rank-0-alone"])
+def test_a_rank_that_needs_nothing_remote(name, world):
+    plan = case_plan(CASES[name], world)
+    assert plan.kv_rows[0].sum() == 0 and plan.lse_rows.sum() == 0
+    assert plan.program(0).kv_recv_counts == [0] * world
+
+
+def test_the_cases_fetch_across_shards_and_ship_global_rows():
+    """The cases exercise what they are there for: random blocks fetched from ranks that are not
+    neighbours, and rows shipped and combined by log-sum-exp."""
+    far = case_plan(CASES["random-blocks"], 4).kv_rows
+    assert any(far[r, p] for r in range(4) for p in range(4) if abs(r - p) >= 2)
+    shipping = [("longformer", 2), ("longformer", 4), ("longformer-float32", 4), ("numba", 4), ("global-mask", 2),
+                ("documents", 2), ("unequal-shards", 4), ("one-token-last", 2)]
+    for name, world in shipping:
+        assert case_plan(CASES[name], world).lse_rows.sum() > 0, (name, world)
+
+
+# --- ShardPlan alone -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [4, 8])
+def test_longformer_receives_the_halo_and_the_globals_independent_of_n(world):
+    kv_heads, plans = 2, []
+    for n in (1 << 16, 1 << 18):
+        layout = (sa.Local(256) | sa.Global(first=16)).layout(n, heads=kv_heads)
+        plans.append(ShardPlan.build(layout, [n // world] * world, kv_heads=kv_heads))
+    for plan in plans:
+        expected = np.zeros((world, world), dtype=np.int64)
+        for r in range(world):
+            if r > 0:
+                expected[r, r - 1] = 256
+            if r + 1 < world:
+                expected[r, r + 1] = 256
+            if r > 0:
+                expected[r, 0] += 16                             # the global columns, on rank 0
+        np.testing.assert_array_equal(plan.kv_rows, expected * kv_heads)
+        assert plan.lse_rows.tolist() == [64] + [0] * (world - 1)    # block 0, holding the global rows, ships
+    np.testing.assert_array_equal(plans[0].kv_rows, plans[1].kv_rows)
+    for key, value in plans[0].bytes_per_rank(64, 4).items():
+        np.testing.assert_array_equal(value, plans[1].bytes_per_rank(64, 4)[key], err_msg=key)
+
+
+PLANS = {
+    "longformer": (sa.Local(16) | sa.Global(first=1), 512, (128, 128, 256), {}),
+    "bigbird": (sa.bigbird(block=16, random_blocks=2, seed=3), 400, (1, 150, 64, 185), {"heads": 2}),
+    "per-head-gqa": (sa.PerHead([sa.Local(5), sa.Global(first=70), sa.Stride(33), sa.Local(40, 0)]), 333,
+                     (100, 33, 200), {"heads": 4, "kv_heads": 2}),
+    "documents-batch": (sa.Local(9) | sa.Global(first=1), 300, (70, 70, 70, 90),
+                        {"q_batch": 2, "documents": sa.documents_from_lengths([[100, 200], [1, 150, 149]], 300)}),
+    "global-mask-shared-kv": (sa.Local(4), 256, (64, 100, 92),
+                              {"q_batch": 2, "kv_batch": 1, "global_mask": _masks(2, 256, 0, globals_=[(3, 200),
+                                                                                                      (130,)])
+                               ["global_mask"]}),
+}
+
+
+def plan_of(name: str) -> ShardPlan:
+    pattern, n, shards, options = PLANS[name]
+    options = dict(options)
+    heads, kv_heads = options.pop("heads", 1), options.pop("kv_heads", None)
+    q_batch, kv_batch = options.pop("q_batch", 1), options.pop("kv_batch", None)
+    layout = pattern.layout(n, heads=heads, **options)
+    return ShardPlan.build(layout, shards, kv_heads=kv_heads or heads, q_batch=q_batch,
+                           kv_batch=q_batch if kv_batch is None else kv_batch)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_what_one_rank_sends_the_other_receives(name):
+    plan = plan_of(name)
+    world = len(plan.shard_sizes)
+    programs = [plan.program(r) for r in range(world)]
+    for r, program in enumerate(programs):
+        assert program.kv_recv_counts == plan.kv_rows[r].tolist()
+        assert len(program.kv_recv_slots) == sum(program.kv_recv_counts)
+        assert len(program.kv_send_index) == sum(program.kv_send_counts)
+        assert len(program.lse_rows) == plan.lse_rows[r]
+        for p in range(world):
+            assert programs[p].kv_send_counts[r] == program.kv_recv_counts[p], (p, r)
+            assert program.lse_recv_counts[p] == len(programs[p].lse_rows), (p, r)   # shipped rows, p -> r
+    traffic = plan.bytes_per_rank(head_dim=32, itemsize=2)
+    for phase in ("forward", "backward"):
+        assert traffic[f"{phase}_sent"].sum() == traffic[f"{phase}_received"].sum(), phase
+    np.testing.assert_array_equal(traffic["forward_sent"], traffic["backward_received"])
+    assert plan.kv_rows.trace() == 0 and plan.kv_rows.sum() > 0
+
+
+def test_plan_errors():
+    layout = sa.Local(4).layout(100)
+    with pytest.raises(ValueError, match=r"whole sequence: n_q == n_k == sum\(shard_sizes\) = 90"):
+        ShardPlan.build(layout, (50, 40), kv_heads=1)
+    with pytest.raises(ValueError, match=r"at least one token, got shard sizes \[100, 0\]"):
+        ShardPlan.build(layout, (100, 0), kv_heads=1)
