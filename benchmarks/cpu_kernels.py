@@ -74,6 +74,7 @@ def _runner(impl: str, n: int):
     elif name.startswith("flex"):
         from torch.nn.attention.flex_attention import flex_attention
 
+        torch._dynamo.config.recompile_limit = 64  # one compiled variant per (N, block, dtype): more than the default 8
         block = int(name.split("-")[1])
         layout = PATTERN.layout(n, n, heads=HEADS, block_size=block)
         block_mask = layout.to_block_mask()
