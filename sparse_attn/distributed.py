@@ -66,8 +66,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     return_lse = check_bool("return_lse", return_lse)
     module = backends.load(backends.choose(backend, q.device))
     scale = resolve_scale(scale, head_dim)
-    shard_sizes = _shard_sizes(n_rank, _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask,
-                                                    documents, scale, backend), group, q.device)
+    shard_sizes, fingerprints = _gather(n_rank, _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask,
+                                                             documents, scale, backend), group, q.device)
     n = sum(shard_sizes)
     for name, mask in (("key_padding_mask", key_padding_mask), ("global_mask", global_mask),
                        ("documents", documents)):
@@ -75,6 +75,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
             raise ValueError(f"{name} covers the whole sequence: shape (batch, {n}) on every rank (the sum of the "
                              f"shards {list(shard_sizes)}), got {tuple(mask.shape)}; pass the full mask, not "
                              f"this rank's part")
+    if len(set(fingerprints)) > 1:
+        differ = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
+        raise ValueError(f"the ranks called sparse_attention with different arguments (pattern, masks, documents, "
+                         f"causal, scale, backend, batch, heads, head_dim or dtype): ranks {differ} differ from rank "
+                         f"0; every rank must pass the same ones, only the shard of q, k, v is its own")
     layout = resolve_layout(pattern, batch, q_heads, n, n, module.BLOCK_SIZE, causal, key_padding_mask,
                             global_mask, documents)
     rank = dist.get_rank(group)
@@ -170,25 +175,19 @@ class _Exchange(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """A collective: every rank calls it, also one with nothing to send or receive."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    if sum(send_counts) or sum(recv_counts):
-        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     return out
 
 
-def _shard_sizes(n_rank: int, fingerprint: int, group, device) -> tuple[int, ...]:
-    """Every rank's shard length (one all_gather), after checking that the ranks agree on everything else."""
-    world = dist.get_world_size(group)
+def _gather(n_rank: int, fingerprint: int, group, device) -> tuple[tuple[int, ...], list[int]]:
+    """Every rank's shard length and argument fingerprint, in rank order (one all_gather)."""
     mine = torch.tensor([n_rank, fingerprint], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).cpu().tolist()
-    if len({fp for _, fp in table}) > 1:
-        differ = [r for r, (_, fp) in enumerate(table) if fp != table[0][1]]
-        raise ValueError(f"the ranks called sparse_attention with different arguments (pattern, masks, documents, "
-                         f"causal, scale, backend, batch, heads, head_dim or dtype): ranks {differ} differ from rank "
-                         f"0; every rank must pass the same ones, only the shard of q, k, v is its own")
-    return tuple(n for n, _ in table)
+    return tuple(n for n, _ in table), [fp for _, fp in table]
 
 
 def _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask, documents, scale, backend) -> int:
