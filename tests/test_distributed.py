@@ -62,12 +62,12 @@ def even(n: int, *worlds: int) -> dict[int, tuple[int, ...]]:
 
 
 def _masks(batch: int, n: int, seed: int, *, padding=None, globals_=None):
-    """key_padding_mask / global_mask (B, n) bool: ``padding`` a fraction drawn from ``seed`` (plus a long
-    padded run in example 0, so that some rows see no key at all), ``globals_`` per-example token lists."""
+    """key_padding_mask / global_mask (B, n) bool: ``padding`` a fraction drawn from ``seed`` plus, in example
+    0, token 0 and a run of 20 (rows of a short window inside it see no key), ``globals_`` per-example tokens."""
     call = {}
     if padding is not None:
         mask = torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) < padding
-        mask[0, 40:60] = True
+        mask[0, 0] = mask[0, 40:60] = True
         call["key_padding_mask"] = mask
     if globals_ is not None:
         mask = torch.zeros(batch, n, dtype=torch.bool)
@@ -92,12 +92,13 @@ CASES = {
     "per-head": Case(sa.PerHead([sa.Local(8), sa.Global(first=2) | sa.Local(3, 0), sa.Stride(17) & sa.Causal(),
                                  sa.Random(1, seed=3, block_size=16) | sa.Local(1)]), 200, even(200, 2, 4),
                      heads=4, kv_heads=4),
+    "per-head-global": Case(sa.PerHead([sa.Local(24) | sa.Global(first=2), sa.Local(5, 0)]), 512, even(512, 2, 4)),
     "gqa": Case(LONGFORMER, 300, even(300, 2, 4), heads=4, kv_heads=1),
     "gqa-per-head": Case(sa.PerHead([sa.Local(5), sa.Local(30, 0), sa.Global(last=4) | sa.Local(2),
                                      sa.Stride(40)]), 260, even(260, 2, 4), heads=4, kv_heads=2),
     "kv-batch-1": Case(LONGFORMER, 300, even(300, 2, 4), batch=3, kv_batch=1),
-    "key-padding": Case(sa.Local(3) | sa.Global(first=1), 200, even(200, 2, 4), batch=2,
-                        call=_masks(2, 200, 0, padding=0.2)),
+    "key-padding": Case(sa.Local(3) | sa.Global(first=1), 512, even(512, 2, 4), batch=2,
+                        call=_masks(2, 512, 0, padding=0.2)),
     # example 0's globals 5 and 150 are on rank 0 and rank 1 (of 2) / rank 0 and 3 (of 4); example 1's 90 on
     # rank 0 / rank 1: rows on every rank see them, and they see every rank's keys
     "global-mask": Case(sa.Local(6), 200, {2: (100, 100), 4: (50, 50, 50, 50)}, batch=2,
@@ -182,15 +183,20 @@ def check_different_patterns(rank: int, world: int, group) -> None:
         distributed.sparse_attention(q, q, q, sa.Local(4 + rank), group=group)
 
 
-def check_part_of_a_mask(name: str, rank: int, world: int, group) -> None:
-    """A mask of this rank's length (its part of the whole-sequence mask): a ValueError naming it."""
-    n, n_rank = 32 * world, 32
-    q = torch.randn(2, 2, n_rank, 8, dtype=torch.float64)
+def check_part_of_a_mask(name: str, whose: str, rank: int, world: int, group) -> None:
+    """A mask of this rank's length (its part of the whole sequence's; shards of unequal length) on ``whose``
+    ranks ("every" or "rank-1"): a ValueError naming it there, and on the ranks that pass the whole mask a
+    ValueError saying that the ranks' arguments differ."""
+    sizes = [24 + 8 * r for r in range(world)]
+    n, start = sum(sizes), sum(sizes[:rank])
+    q = torch.randn(2, 2, sizes[rank], 8, dtype=torch.float64)
     whole = (sa.documents_from_lengths([[n // 2, n // 2]] * 2, n) if name == "documents"
              else torch.arange(n).repeat(2, 1) % 7 == 0)                          # (2, n)
-    with pytest.raises(ValueError, match=f"{name} covers the whole sequence"):
+    part = whose == "every" or rank == 1
+    message = f"{name} covers the whole sequence" if part else r"different arguments.* ranks \[1\] differ"
+    with pytest.raises(ValueError, match=message):
         distributed.sparse_attention(q, q, q, sa.Local(4), group=group,
-                                     **{name: whole[:, rank * n_rank:(rank + 1) * n_rank]})
+                                     **{name: whole[:, start:start + sizes[rank]] if part else whole})
 
 
 def rank_checks(world: int):
@@ -198,8 +204,9 @@ def rank_checks(world: int):
     checks = [(name, lambda r, w, g, case=case: check_case(case, r, w, g))
               for name, case in CASES.items() if world in case.shards]
     checks.append(("different-patterns", check_different_patterns))
-    checks += [(f"part-of-{name}", lambda r, w, g, name=name: check_part_of_a_mask(name, r, w, g))
-               for name in ("key_padding_mask", "global_mask", "documents")]
+    checks += [(f"part-of-{name}-on-{whose}", lambda r, w, g, name=name, whose=whose:
+                check_part_of_a_mask(name, whose, r, w, g))
+               for name in ("key_padding_mask", "global_mask", "documents") for whose in ("every", "rank-1")]
     return checks
 
 
@@ -216,7 +223,8 @@ def worker(rank: int, world: int, port: int, folder: str) -> None:
     """One rank of a spawn: every check, each in a new process group whose collectives time out after
     COLLECTIVE_SECONDS, then a barrier of all ranks; one JSON line per check and rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
+    os.environ["NUMBA_NUM_THREADS"] = "1"                 # one thread per rank (numba is not imported yet):
+    torch.set_num_threads(1)                              # the ranks share the machine's cores
     warm_up()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=SPAWN_SECONDS))
@@ -287,18 +295,8 @@ def assert_every_rank_passed(outcomes: dict, check: str) -> None:
 
 
 # --- distributed: one test per (world, case) ------------------------------------------------------------
-# Bugs of sparse_attn.distributed these tests found, not fixed yet (the reports say how):
-SKIPPED_EXCHANGE = pytest.mark.xfail(strict=True, reason=(
-    "distributed._all_to_all skips dist.all_to_all_single on a rank that sends and receives nothing while the "
-    "other ranks call it: they wait for it until the collective times out (rank 0 of 4 here)"))
-MASK_MESSAGE = pytest.mark.xfail(strict=True, reason=(
-    "each rank's own part of a mask differs from the others', so _shard_sizes raises 'different arguments' "
-    "before the check that names the mask and says to pass the whole sequence's"))
-KNOWN_BUGS = {(4, "documents-at-shard-boundary"): SKIPPED_EXCHANGE}
-
-
-@pytest.mark.parametrize("world, name", [pytest.param(w, name, marks=KNOWN_BUGS.get((w, name), ()))
-                                         for name, case in CASES.items() for w in WORLDS if w in case.shards])
+@pytest.mark.parametrize("world, name", [(w, name) for name, case in CASES.items() for w in WORLDS
+                                         if w in case.shards])
 def test_shards_equal_single_process(ranks, world, name):
     assert_every_rank_passed(ranks(world), name)
 
@@ -308,11 +306,11 @@ def test_ranks_with_different_patterns_all_raise(ranks, world):
     assert_every_rank_passed(ranks(world), "different-patterns")
 
 
-@MASK_MESSAGE
+@pytest.mark.parametrize("whose", ["every", "rank-1"])
 @pytest.mark.parametrize("name", ["key_padding_mask", "global_mask", "documents"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_a_mask_of_the_shard_raises_naming_it(ranks, world, name):
-    assert_every_rank_passed(ranks(world), f"part-of-{name}")
+def test_a_mask_of_the_shard_raises_naming_it(ranks, world, name, whose):
+    assert_every_rank_passed(ranks(world), f"part-of-{name}-on-{whose}")
 
 
 def test_needs_an_initialised_process_group():
@@ -345,7 +343,8 @@ def test_the_cases_fetch_across_shards_and_ship_global_rows():
     far = case_plan(CASES["random-blocks"], 4).kv_rows
     assert any(far[r, p] for r in range(4) for p in range(4) if abs(r - p) >= 2)
     shipping = [("longformer", 2), ("longformer", 4), ("longformer-float32", 4), ("numba", 4), ("global-mask", 2),
-                ("documents", 2), ("unequal-shards", 4), ("one-token-last", 2)]
+                ("documents", 2), ("unequal-shards", 4), ("one-token-last", 2), ("key-padding", 4),
+                ("per-head-global", 2)]
     for name, world in shipping:
         assert case_plan(CASES[name], world).lse_rows.sum() > 0, (name, world)
 
