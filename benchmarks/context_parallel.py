@@ -57,6 +57,8 @@ from sparse_attn import machine
 from sparse_attn.distributed import combine_partials, sparse_attention
 from sparse_attn.shard_plan import ShardPlan
 
+from decode import short, token_count            # benchmarks/decode.py (this script's folder is on sys.path)
+
 PATTERNS = {"Longformer": sa.Local(256) | sa.Global(first=16),
             "BigBird-ITC": sa.preset("bigbird-itc"),
             "causal sliding window": sa.Local(1023, 0) & sa.Causal()}
@@ -70,28 +72,6 @@ RANKS = (2, 4, 8, 16, 32, 64)
 MEASURED_SIZES, MEASURED_RANKS = (16_384, 65_536), (2, 4)
 DIRECTIONS = ("forward_sent", "forward_received", "backward_sent", "backward_received")
 FIGURE_RANKS, FIGURE_N = 8, 1_048_576
-
-
-def token_count(text: str) -> int:
-    """``"64K"`` -> 65536, ``"1M"`` -> 1048576, ``"300"`` -> 300.
-
-    >>> [token_count(s) for s in ("64K", "1M", "300")]
-    [65536, 1048576, 300]
-    """
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:].upper(), 1)
-    return int(text[:-1] if scale > 1 else text) * scale
-
-
-def short(n: int) -> str:
-    """65536 -> "64K", 1048576 -> "1M", 300 -> "300".
-
-    >>> [short(n) for n in (65536, 1048576, 300)]
-    ['64K', '1M', '300']
-    """
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
 
 
 def ring_bytes(n: int, world: int, kv_heads: int, head_dim: int, itemsize: int) -> dict[str, int]:
@@ -124,6 +104,7 @@ def computed_point(plan: ShardPlan, n: int, world: int) -> dict:
            "max": {d: int(traffic[d].max()) for d in DIRECTIONS},
            "mean": {d: float(traffic[d].mean()) for d in DIRECTIONS},
            "total_max": int(sum(traffic[d] for d in DIRECTIONS).max()),
+           "total_mean": float(sum(traffic[d] for d in DIRECTIONS).mean()),
            "work_max_over_mean": float(plan.work.max() / plan.work.mean()),
            "shipped_rows": int(plan.lse_rows.sum()),
            "ring": ring_bytes(n, world, HEADS, DIM, ITEMSIZE)}
@@ -379,8 +360,9 @@ def measured_point(name: str, n: int, world: int, repeats: int, limit_s: float) 
                for phase in ("forward", "backward") for way in ("sent", "received")}
         row[impl] = {"measured": got, "expected": expected, "agree": got == expected,
                      "handshake_sent": [r[impl]["bytes"]["forward"]["handshake_sent"] for r in ranks],
-                     "forward_s": statistics.median(np.max([r[impl]["forward_s"] for r in ranks], axis=0)),
-                     "backward_s": statistics.median(np.max([r[impl]["backward_s"] for r in ranks], axis=0))}
+                     **{f"{phase}_samples_s": np.max([r[impl][f"{phase}_s"] for r in ranks], axis=0).tolist()
+                        for phase in ("forward", "backward")}}
+        row[impl] |= {f"{phase}_s": statistics.median(row[impl][f"{phase}_samples_s"]) for phase in ("forward", "backward")}
     return row
 
 
@@ -454,21 +436,21 @@ def markdown(record: dict) -> str:
         "## Computed from the plan", "",
         f"B=1, H={HEADS} query and key/value heads, D={DIM}, bf16 (partial results of shipped rows in float32), "
         f"block size {BLOCK}, N split into W equal shards. Bytes from `ShardPlan.bytes_per_rank` for one call "
-        "(one layer); **per rank** = the largest over ranks of sent + received, forward + backward (max and mean "
-        "of each direction are in the JSON). Ring attention, per rank: forward (W-1)·S sent and received, "
+        "(one layer); **per rank** = the largest over ranks of sent + received, forward + backward, **mean rank** "
+        "the mean over ranks of the same (max and mean of each direction are in the JSON). Ring attention, per rank: forward (W-1)·S sent and received, "
         "backward (2W-1)·S (K, V around again, dK, dV with them and one hop home), S = N/W · Hkv · 2D · 2 "
         "bytes; per rank = 2 · (3W-2) · S. **work** = max/mean over ranks of the blocks each rank computes.", "",
     ]
     for name, rows in record["computed"].items():
         lines += [f"### {name}: `{PATTERN_SPECS[name]}`", "",
                   "| N | W | fwd recv max MiB | fwd sent max MiB | bwd recv max MiB | bwd sent max MiB | per rank MiB | "
-                  "ring per rank MiB | ring / sparse | shipped rows | work max/mean |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "mean rank MiB | ring per rank MiB | ring / sparse | shipped rows | work max/mean |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             mx = r["max"]
             lines.append(f"| {short(r['n'])} | {r['ranks']} | {_mib(mx['forward_received'])} | "
                          f"{_mib(mx['forward_sent'])} | {_mib(mx['backward_received'])} | {_mib(mx['backward_sent'])} | "
-                         f"{_mib(r['total_max'])} | {_mib(r['ring_total'])} | {r['ring_total'] / r['total_max']:,.1f} | "
+                         f"{_mib(r['total_max'])} | {_mib(r['total_mean'])} | {_mib(r['ring_total'])} | {r['ring_total'] / r['total_max']:,.1f} | "
                          f"{r['shipped_rows']} | {r['work_max_over_mean']:.3f} |")
         lines.append("")
     lines += [
@@ -531,6 +513,8 @@ def figure(record: dict, path: Path) -> None:
     axes[0].set_xticks(record["sizes"], [short(n) for n in record["sizes"]])
     axes[1].set(xscale="log", xlabel="ranks W", title=f"N = {short(FIGURE_N)}")
     axes[1].set_xticks(record["ranks"], [str(w) for w in record["ranks"]])
+    for ax in axes:
+        ax.set_xticks([], minor=True)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"sparse_attn.distributed vs ring attention: B=1, H={HEADS}, D={DIM}, bf16 (from ShardPlan)",
                  fontsize=10)
