@@ -94,9 +94,12 @@ CASES = {
                      heads=4, kv_heads=4),
     "per-head-global": Case(sa.PerHead([sa.Local(24) | sa.Global(first=2), sa.Local(5, 0)]), 512, even(512, 2, 4)),
     "gqa": Case(LONGFORMER, 300, even(300, 2, 4), heads=4, kv_heads=1),
-    "gqa-per-head": Case(sa.PerHead([sa.Local(5), sa.Local(30, 0), sa.Global(last=4) | sa.Local(2),
-                                     sa.Stride(40)]), 260, even(260, 2, 4), heads=4, kv_heads=2),
+    "gqa-per-head-scale": Case(sa.PerHead([sa.Local(5), sa.Local(30, 0), sa.Global(last=4) | sa.Local(2),
+                                           sa.Stride(40)]), 260, even(260, 2, 4), heads=4, kv_heads=2,
+                               call={"scale": 0.3}),
     "kv-batch-1": Case(LONGFORMER, 300, even(300, 2, 4), batch=3, kv_batch=1),
+    "global-mask-kv-batch-1": Case(sa.Local(6), 512, even(512, 2, 4), batch=2, kv_batch=1, heads=2, kv_heads=1,
+                                   call=_masks(2, 512, 1, globals_=[(5, 150, 400), (90,)])),
     "key-padding": Case(sa.Local(3) | sa.Global(first=1), 512, even(512, 2, 4), batch=2,
                         call=_masks(2, 512, 0, padding=0.2)),
     # example 0's globals 5 and 150 are on rank 0 and rank 1 (of 2) / rank 0 and 3 (of 4); example 1's 90 on
@@ -120,6 +123,10 @@ CASES = {
     "non-contiguous": Case(LONGFORMER, 300, {2: (150, 150), 4: (1, 99, 100, 100)}, batch=2, heads=4, kv_heads=2,
                            strided=True),
     "prebuilt-layout": Case(LONGFORMER.layout(300, heads=2), 300, {2: (130, 170), 4: (64, 64, 64, 108)}),
+    "prebuilt-layout-block-32": Case(sa.bigbird(block=16, random_blocks=2).layout(300, heads=2, block_size=32), 300,
+                                     {2: (130, 170), 4: (1, 127, 64, 108)}),
+    "prebuilt-layout-block-128": Case(LONGFORMER.layout(300, heads=2, block_size=128), 300,
+                                      {2: (130, 170), 4: (1, 127, 64, 108)}),
     "short-sequence": Case(sa.Local(5) | sa.Global(first=1), 40, {2: (25, 15), 4: (10, 10, 10, 10)}),
     "numba": Case(LONGFORMER, 512, {2: (200, 312), 4: (100, 150, 62, 200)}, backend="numba"),
     "numba-float32": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
@@ -422,3 +429,39 @@ def test_plan_errors():
         ShardPlan.build(layout, (50, 40), kv_heads=1)
     with pytest.raises(ValueError, match=r"at least one token, got shard sizes \[100, 0\]"):
         ShardPlan.build(layout, (100, 0), kv_heads=1)
+    with pytest.raises(ValueError, match="batch 1 and 1 heads does not fit q batch 1 with k, v of batch 1 and 2 heads"):
+        ShardPlan.build(layout, (50, 50), kv_heads=2)
+
+
+def blocks_computed(pattern: sa.Pattern, plan: ShardPlan, heads: int) -> list[int]:
+    """What ``plan.work`` should be, from the dense mask: each rank computes every nonzero block of the query
+    blocks it holds rows of, except a shipped block row, whose blocks every rank owning some of their keys
+    computes; per head, times the examples."""
+    n = sum(plan.shard_sizes)
+    n_blocks = -(-n // BLOCK)
+    mask = torch.zeros(heads, n_blocks * BLOCK, n_blocks * BLOCK, dtype=torch.bool)
+    mask[:, :n, :n] = pattern.mask(n, heads=heads)
+    blocks = mask.view(heads, n_blocks, BLOCK, n_blocks, BLOCK).any(4).any(2).numpy()   # (H, query, key blocks)
+    starts = np.cumsum([0, *plan.shard_sizes])
+    owners = [set(np.searchsorted(starts, np.arange(b * BLOCK, min(b * BLOCK + BLOCK, n)), side="right") - 1)
+              for b in range(n_blocks)]
+    work = np.zeros(len(plan.shard_sizes), dtype=np.int64)
+    for r, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
+        shipped = set((start + plan.program(r).lse_rows.numpy()) // BLOCK)
+        for row in range(start // BLOCK, (stop - 1) // BLOCK + 1):
+            if row not in shipped:
+                work[r] += blocks[:, row].sum()
+                continue
+            for key_block in np.nonzero(blocks[:, row])[1]:
+                work[list(owners[key_block])] += 1
+    return (work * plan.q_batch).tolist()
+
+
+@pytest.mark.parametrize("pattern, shards, heads", [
+    (sa.Local(40), (1, 300, 400, 299), 1),                                         # the 1-token shard ships
+    (sa.PerHead([sa.Local(40), sa.Stride(90) & sa.Causal()]), (100, 200, 300, 400), 2),
+    (sa.bigbird(block=16, random_blocks=2), (128, 256, 256, 360), 2),
+    (sa.Local(40) | sa.Global(first=3), (100, 200, 300, 400), 2)], ids=repr)
+def test_work_counts_the_blocks_each_rank_computes(pattern, shards, heads):
+    plan = ShardPlan.build(pattern.layout(1000, heads=heads), shards, kv_heads=heads, q_batch=2, kv_batch=2)
+    assert plan.work.tolist() == blocks_computed(pattern, plan, heads)
