@@ -156,10 +156,14 @@ def attend(attention, q, k, v, grad_out, case: Case, **options):
     return out, lse, q.grad, k.grad, v.grad
 
 
+def shard_rows(case: Case, world: int, rank: int) -> slice:
+    start = sum(case.shards[world][:rank])
+    return slice(start, start + case.shards[world][rank])
+
+
 def check_case(case: Case, rank: int, world: int, group) -> None:
     """This rank's shard of the distributed run equals its part of the single-process one."""
-    start = sum(case.shards[world][:rank])
-    rows = slice(start, start + case.shards[world][rank])
+    rows = shard_rows(case, world, rank)
     q, k, v, grad_out = full_inputs(case)
     oracle = attend(sa.sparse_attention, q, k, v, grad_out, case)                  # float64
     baseline = attend(sa.sparse_attention, *(t.to(case.dtype) for t in (q, k, v)), grad_out, case)
@@ -181,6 +185,14 @@ def check_case(case: Case, rank: int, world: int, group) -> None:
             assert error <= allowed, f"{what}: max error {error:.3e} > {allowed:.3e}"
         else:
             assert_within_rule(what, mine, ref, base)
+
+
+def check_repeatable(rank: int, world: int, group) -> None:
+    """A second call (its plan from the cache) gives the same bits, out, lse and gradients."""
+    case, rows = CASES["longformer"], shard_rows(CASES["longformer"], world, rank)
+    q, k, v, grad_out = (t[:, :, rows] for t in full_inputs(case))
+    first, second = (attend(distributed.sparse_attention, q, k, v, grad_out, case, group=group) for _ in "12")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def check_different_patterns(rank: int, world: int, group) -> None:
@@ -210,7 +222,7 @@ def rank_checks(world: int):
     """(name, check(rank, world, group)) for every check a spawn of ``world`` ranks runs, in order."""
     checks = [(name, lambda r, w, g, case=case: check_case(case, r, w, g))
               for name, case in CASES.items() if world in case.shards]
-    checks.append(("different-patterns", check_different_patterns))
+    checks += [("repeatable", check_repeatable), ("different-patterns", check_different_patterns)]
     checks += [(f"part-of-{name}-on-{whose}", lambda r, w, g, name=name, whose=whose:
                 check_part_of_a_mask(name, whose, r, w, g))
                for name in ("key_padding_mask", "global_mask", "documents") for whose in ("every", "rank-1")]
@@ -306,6 +318,11 @@ def assert_every_rank_passed(outcomes: dict, check: str) -> None:
                                          if w in case.shards])
 def test_shards_equal_single_process(ranks, world, name):
     assert_every_rank_passed(ranks(world), name)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_second_call_gives_the_same_bits(ranks, world):
+    assert_every_rank_passed(ranks(world), "repeatable")
 
 
 @pytest.mark.parametrize("world", WORLDS)
