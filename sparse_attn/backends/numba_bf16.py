@@ -44,19 +44,25 @@ _BRGEMM = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
 @functools.cache
 def _brgemm_address() -> int | None:
     """The address of torch's bf16 brgemm, or None where this torch does not export it."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
     try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         return ctypes.cast(getattr(lib, _BRGEMM), ctypes.c_void_p).value
-    except AttributeError:
+    except (OSError, AttributeError):                    # another platform's library name, or no such symbol
         return None
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX-BF16), as LLVM reads its features."""
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512bf16") or features.get("amx-bf16"))
 
 
 def native() -> tuple[bool, str]:
     """(whether bf16 inputs run on bf16 matmuls here, why or why not). Needs a CPU with native bf16
     dot products (AVX512-BF16 or AMX-BF16: elsewhere oneDNN would emulate them, slower than float32),
     torch's brgemm, and oneDNN enabled (torch raises inside brgemm otherwise)."""
-    features = llvm.get_host_cpu_features()
-    if not (features.get("avx512bf16") or features.get("amx-bf16")):
+    if not _cpu_has_bf16():
         return False, "no native bf16 dot products on this CPU (AVX512-BF16 or AMX-BF16)"
     if _brgemm_address() is None:
         return False, f"this torch ({torch.__version__}) exports no bf16 brgemm"
@@ -64,7 +70,7 @@ def native() -> tuple[bool, str]:
         return False, "oneDNN is disabled (torch.backends.mkldnn.enabled)"
     if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
         return False, "ONEDNN_MAX_CPU_ISA is set"
-    return True, "bf16 matmuls on oneDNN brgemm (AVX512-BF16)"
+    return True, "bf16 matmuls on oneDNN brgemm (native bf16 dot products)"
 
 
 if _brgemm_address() is not None:
