@@ -392,6 +392,12 @@ def _seconds(impl: dict) -> str:
     return f"{impl['forward_s'] + impl['backward_s']:.2f}"
 
 
+def _handshake(measured: list[dict]) -> str:
+    """The bytes of sparse_attn's all_gather each rank sent to each other rank, over the measured points."""
+    sizes = {sent // (r["ranks"] - 1) for r in measured if "error" not in r for sent in r["sparse"]["handshake_sent"]}
+    return " or ".join(map(str, sorted(sizes))) or "n/a"
+
+
 def _ratio_line(rows: list[dict], world: int) -> tuple[float, int, int] | None:
     """Longformer's largest per-rank bytes (forward + backward, sent + received) over N at ``world`` ranks:
     (max/min, min, max), None without two sizes."""
@@ -460,10 +466,12 @@ def markdown(record: dict) -> str:
         "ranks during one call (`all_to_all_single` chunks for other ranks, `isend`/`irecv`), forward and the "
         "backward of its output separately; the largest over ranks is shown, every rank is compared. **plan** / "
         "**model**: whether every rank's four numbers equal `ShardPlan.bytes_per_rank` (sparse_attn) or the ring "
-        "model above. Besides these, sparse_attn's forward does one `all_gather` of 16 bytes per rank (shard "
-        "lengths and a digest of the arguments), not in the plan. Time: forward + backward of the slowest rank, "
+        "model above. Besides these, sparse_attn's forward does one `all_gather` (shard lengths and a digest of "
+        f"the arguments): {_handshake(record['measured'])} bytes to each other rank, not in the plan. Time: forward + backward of the slowest rank, "
         "median over the calls. The ring attends the same pattern (max |ring - sparse_attn| over outputs and "
-        "gradients in the last column).", "",
+        "gradients in the last column), but this minimal ring runs each step's kernel over tensors of the whole "
+        "sequence's length (only its rows and the visiting keys filled), work that grows with N at every step: "
+        "its times are an upper bound for a ring attention, compare the bytes.", "",
         "| pattern | N | W | sparse fwd sent / recv MiB | bwd sent / recv MiB | = plan | ring fwd sent / recv MiB | "
         "bwd sent / recv MiB | = model | ring / sparse bytes | sparse s | ring s | max abs diff |",
         "|---|---:|---:|---:|---:|:---:|---:|---:|:---:|---:|---:|---:|---:|"]
