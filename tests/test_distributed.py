@@ -61,31 +61,30 @@ def even(n: int, *worlds: int) -> dict[int, tuple[int, ...]]:
     return {w: tuple(len(part) for part in np.array_split(np.arange(n), w)) for w in worlds}
 
 
-def _masks(batch: int, n: int, seed: int, *, padding=None, globals_=None):
+def masks(batch: int, n: int, seed: int, *, padding=None, global_tokens=None):
     """key_padding_mask / global_mask (B, n) bool: ``padding`` a fraction drawn from ``seed`` plus, in example
-    0, token 0 and a run of 20 (rows of a short window inside it see no key), ``globals_`` per-example tokens."""
+    0, token 0 and a run of 20 (rows of a short window inside it see no key), ``global_tokens`` per-example tokens."""
     call = {}
     if padding is not None:
         mask = torch.rand(batch, n, generator=torch.Generator().manual_seed(seed)) < padding
         mask[0, 0] = mask[0, 40:60] = True
         call["key_padding_mask"] = mask
-    if globals_ is not None:
+    if global_tokens is not None:
         mask = torch.zeros(batch, n, dtype=torch.bool)
-        for example, tokens in enumerate(globals_):
+        for example, tokens in enumerate(global_tokens):
             mask[example, list(tokens)] = True
         call["global_mask"] = mask
     return call
 
 
 LONGFORMER = sa.Local(24) | sa.Global(first=3)
+BIGBIRD = sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1)   # small random blocks
 CASES = {
     "longformer": Case(LONGFORMER, 512, even(512, 2, 4)),
     "longformer-float32": Case(LONGFORMER, 512, even(512, 2, 4), dtype=torch.float32),
     "longformer-global-tokens": Case(sa.longformer(window=16, global_tokens=(0, 130, 333)), 400, even(400, 2, 4)),
-    "bigbird": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
-                    even(256, 2, 4)),
-    "bigbird-float32": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
-                            even(256, 2, 4), dtype=torch.float32),
+    "bigbird": Case(BIGBIRD, 256, even(256, 2, 4)),
+    "bigbird-float32": Case(BIGBIRD, 256, even(256, 2, 4), dtype=torch.float32),
     "random-blocks": Case(sa.Random(2, seed=5, block_size=16) | sa.Local(4), 256, even(256, 2, 4)),
     "causal-window": Case(sa.Local(20, 0) & sa.Causal(), 300, {2: (130, 170), 4: (75, 75, 70, 80)}),
     "causal-argument": Case(sa.Local(20) | sa.Global(first=2), 300, even(300, 2, 4), call={"causal": True}),
@@ -99,15 +98,15 @@ CASES = {
                                call={"scale": 0.3}),
     "kv-batch-1": Case(LONGFORMER, 300, even(300, 2, 4), batch=3, kv_batch=1),
     "global-mask-kv-batch-1": Case(sa.Local(6), 512, even(512, 2, 4), batch=2, kv_batch=1, heads=2, kv_heads=1,
-                                   call=_masks(2, 512, 1, globals_=[(5, 150, 400), (90,)])),
+                                   call=masks(2, 512, 1, global_tokens=[(5, 150, 400), (90,)])),
     "key-padding": Case(sa.Local(3) | sa.Global(first=1), 512, even(512, 2, 4), batch=2,
-                        call=_masks(2, 512, 0, padding=0.2)),
+                        call=masks(2, 512, 0, padding=0.2)),
     # example 0's globals 5 and 150 are on rank 0 and rank 1 (of 2) / rank 0 and 3 (of 4); example 1's 90 on
     # rank 0 / rank 1: rows on every rank see them, and they see every rank's keys
     "global-mask": Case(sa.Local(6), 200, {2: (100, 100), 4: (50, 50, 50, 50)}, batch=2,
-                        call=_masks(2, 200, 1, globals_=[(5, 150), (90,)])),
+                        call=masks(2, 200, 1, global_tokens=[(5, 150), (90,)])),
     "global-mask-and-padding": Case(sa.Local(6, 0), 200, {2: (77, 123), 4: (1, 64, 70, 65)}, batch=2,
-                                    call=_masks(2, 200, 2, padding=0.1, globals_=[(199,), (3, 64, 120)])),
+                                    call=masks(2, 200, 2, padding=0.1, global_tokens=[(199,), (3, 64, 120)])),
     "documents": Case(sa.Local(10) | sa.Global(first=1), 300, even(300, 2, 4), batch=2,
                       call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1, 100]], 300)}),
     "documents-causal-random": Case(sa.Random(1, seed=2, block_size=16) | sa.Local(7, 0), 300, {2: (90, 210),
@@ -129,8 +128,7 @@ CASES = {
                                       {2: (130, 170), 4: (1, 127, 64, 108)}),
     "short-sequence": Case(sa.Local(5) | sa.Global(first=1), 40, {2: (25, 15), 4: (10, 10, 10, 10)}),
     "numba": Case(LONGFORMER, 512, {2: (200, 312), 4: (100, 150, 62, 200)}, backend="numba"),
-    "numba-float32": Case(sa.bigbird(block=16, window_blocks=3, global_blocks=2, random_blocks=2, seed=1), 256,
-                          even(256, 2, 4), dtype=torch.float32, backend="numba"),
+    "numba-float32": Case(BIGBIRD, 256, even(256, 2, 4), dtype=torch.float32, backend="numba"),
     "numba-documents-gqa": Case(sa.Local(10) | sa.Global(first=1), 300, {2: (100, 200), 4: (1, 99, 100, 100)},
                                 batch=2, heads=4, kv_heads=2, backend="numba",
                                 call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1]], 300)}),
@@ -375,7 +373,7 @@ def test_the_cases_fetch_across_shards_and_ship_global_rows():
 
 # --- ShardPlan alone -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [4, 8])
-def test_longformer_receives_the_halo_and_the_globals_independent_of_n(world):
+def test_longformer_receives_the_halo_and_the_global_tokensindependent_of_n(world):
     kv_heads, plans = 2, []
     for n in (1 << 16, 1 << 18):
         layout = (sa.Local(256) | sa.Global(first=16)).layout(n, heads=kv_heads)
@@ -404,9 +402,7 @@ PLANS = {
     "documents-batch": (sa.Local(9) | sa.Global(first=1), 300, (70, 70, 70, 90),
                         {"q_batch": 2, "documents": sa.documents_from_lengths([[100, 200], [1, 150, 149]], 300)}),
     "global-mask-shared-kv": (sa.Local(4), 256, (64, 100, 92),
-                              {"q_batch": 2, "kv_batch": 1, "global_mask": _masks(2, 256, 0, globals_=[(3, 200),
-                                                                                                      (130,)])
-                               ["global_mask"]}),
+                              {"q_batch": 2, "kv_batch": 1, **masks(2, 256, 0, global_tokens=[(3, 200), (130,)])}),
 }
 
 
