@@ -39,6 +39,7 @@ from .numba_lowlevel import FASTMATH, gemm
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
 #                             float* C, bool is_vnni): C (M, N) (+)= A (M, K) @ B, B packed (K/2, ld_b, 2)
 _BRGEMM = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+ROW_MULTIPLE = 256  # pairs_t's rows are padded to a multiple of this
 
 
 @functools.cache
@@ -95,9 +96,16 @@ def pairs(t: torch.Tensor) -> np.ndarray:
 
 
 def pairs_t(t: torch.Tensor) -> np.ndarray:
-    """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N, 2) uint16."""
-    words = t.to(torch.bfloat16).contiguous().view(torch.int32).transpose(-1, -2).contiguous()  # (..., D/2, N)
-    return words.numpy().view(np.uint16).reshape(*words.shape, 2)
+    """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N', 2) uint16, N' = N
+    rounded up to a multiple of ``ROW_MULTIPLE`` (zeros after N). N' is brgemm's ld_b, part of the key
+    of the kernels oneDNN generates and caches (per thread, never evicted): rounded, a KV cache that
+    grows by one key per decode step reuses them instead of adding kernels at every length."""
+    words = t.to(torch.bfloat16).contiguous().view(torch.int32).transpose(-1, -2)                # (..., D/2, N)
+    n = words.shape[-1]
+    packed = words.new_empty((*words.shape[:-1], -(-n // ROW_MULTIPLE) * ROW_MULTIPLE))         # (..., D/2, N')
+    packed[..., :n] = words
+    packed[..., n:] = 0
+    return packed.numpy().view(np.uint16).reshape(*packed.shape, 2)
 
 
 # ------------------------------------------------------------------------------------------------
