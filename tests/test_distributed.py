@@ -126,9 +126,16 @@ CASES = {
                                      {2: (130, 170), 4: (1, 127, 64, 108)}),
     "prebuilt-layout-block-128": Case(LONGFORMER.layout(300, heads=2, block_size=128), 300,
                                       {2: (130, 170), 4: (1, 127, 64, 108)}),
+    "one-token-per-rank": Case(sa.Local(1) | sa.Global(first=1), 4, {2: (1, 3), 4: (1, 1, 1, 1)}),
+    "a-rank-all-padding": Case(sa.Local(6) | sa.Global(first=1), 200, {2: (150, 50), 4: (50, 50, 50, 50)}, batch=2,
+                               call={"key_padding_mask": torch.arange(200).repeat(2, 1) >= 150}),
+    "two-ranks-ship": Case(sa.Dilated(4, 3) | sa.Stride(50), 300, {4: (70, 80, 90, 60)}),
+    "kv-batch-1-shipped": Case(sa.Global(first=64) | sa.Local(2), 1024, {4: (256, 256, 256, 256)}, batch=2,
+                               kv_batch=1),
     "short-sequence": Case(sa.Local(5) | sa.Global(first=1), 40, {2: (25, 15), 4: (10, 10, 10, 10)}),
     "numba": Case(LONGFORMER, 512, {2: (200, 312), 4: (100, 150, 62, 200)}, backend="numba"),
     "numba-float32": Case(BIGBIRD, 256, even(256, 2, 4), dtype=torch.float32, backend="numba"),
+    "numba-float32-shipped": Case(LONGFORMER, 512, {4: (100, 150, 62, 200)}, dtype=torch.float32, backend="numba"),
     "numba-documents-gqa": Case(sa.Local(10) | sa.Global(first=1), 300, {2: (100, 200), 4: (1, 99, 100, 100)},
                                 batch=2, heads=4, kv_heads=2, backend="numba",
                                 call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1]], 300)}),
@@ -366,7 +373,8 @@ def test_the_cases_fetch_across_shards_and_ship_global_rows():
     assert any(far[r, p] for r in range(4) for p in range(4) if abs(r - p) >= 2)
     shipping = [("longformer", 2), ("longformer", 4), ("longformer-float32", 4), ("numba", 4), ("global-mask", 2),
                 ("documents", 2), ("unequal-shards", 4), ("one-token-last", 2), ("key-padding", 4),
-                ("per-head-global", 2)]
+                ("per-head-global", 2), ("kv-batch-1-shipped", 4), ("numba-float32-shipped", 4)]
+    assert (case_plan(CASES["two-ranks-ship"], 4).lse_rows > 0).sum() == 2
     for name, world in shipping:
         assert case_plan(CASES[name], world).lse_rows.sum() > 0, (name, world)
 
