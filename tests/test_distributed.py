@@ -1,9 +1,10 @@
 """sparse_attn.distributed against single-process ``sparse_attention``, and the ShardPlan it runs.
 
-The distributed cases run on gloo ranks on this machine's CPU: ONE spawn per world size (2 and 4) runs
-every case of CASES (and the error checks) on every rank, each case in its own process group with a
-collective timeout, and appends each rank's outcome to a file; one pytest test per (world, case) reads
-it. A spawn is bounded in time (a hung collective fails its case, never hangs the run). On each rank a
+The distributed cases run on gloo ranks on this machine's CPU: ONE spawn of 4 processes (a process costs
+seconds: torch, the reference backend's checkpoint and numba load) runs every case of CASES and the error
+checks, for world size 2 on ranks 0 and 1, then for 4 on all of them, each check in its own process group
+with a collective timeout, and appends each rank's outcome to a file; one pytest test per (world, case)
+reads it. The spawn is bounded in time (a hung collective fails its check, never hangs the run). On each rank a
 case builds the whole q, k, v from a seed, runs the single-process ``sa.sparse_attention`` (same backend,
 autograd) as the oracle, runs the distributed call on the rank's shard, back-propagates the same
 gradient and compares out, lse, dq, dk and dv of the shard: float64 to 1e-12 relative, float32 by
@@ -35,7 +36,7 @@ from sparse_attn.shard_plan import ShardPlan
 from tests.tolerance import assert_within_rule
 
 WORLDS = (2, 4)
-SPAWN_SECONDS = 240          # the whole spawn of one world size (import, every case, every check)
+SPAWN_SECONDS = 300          # the whole spawn (imports, every case and check of both world sizes)
 COLLECTIVE_SECONDS = 15      # one collective that waits for a rank that never comes
 BLOCK = 64                   # the block size of the reference and numba backends' layouts
 
@@ -223,15 +224,14 @@ def check_part_of_a_mask(name: str, whose: str, rank: int, world: int, group) ->
                                      **{name: whole[:, start:start + sizes[rank]] if part else whole})
 
 
-def rank_checks(world: int):
-    """(name, check(rank, world, group)) for every check a spawn of ``world`` ranks runs, in order."""
-    checks = [(name, lambda r, w, g, case=case: check_case(case, r, w, g))
-              for name, case in CASES.items() if world in case.shards]
-    checks += [("repeatable", check_repeatable), ("different-patterns", check_different_patterns)]
+def all_checks():
+    """(world, name, check(rank, world, group)) for every check the spawn runs, in order."""
+    checks = [(name, lambda r, w, g, case=case: check_case(case, r, w, g), case.shards) for name, case in CASES.items()]
+    checks += [("repeatable", check_repeatable, WORLDS), ("different-patterns", check_different_patterns, WORLDS)]
     checks += [(f"part-of-{name}-on-{whose}", lambda r, w, g, name=name, whose=whose:
-                check_part_of_a_mask(name, whose, r, w, g))
+                check_part_of_a_mask(name, whose, r, w, g), WORLDS)
                for name in ("key_padding_mask", "global_mask", "documents") for whose in ("every", "rank-1")]
-    return checks
+    return [(world, name, check) for world in WORLDS for name, check, worlds in checks if world in worlds]
 
 
 def warm_up() -> None:
@@ -243,26 +243,29 @@ def warm_up() -> None:
             sa.sparse_attention(q, q, q, sa.Local(1), backend=backend).sum().backward()
 
 
-def worker(rank: int, world: int, port: int, folder: str) -> None:
-    """One rank of a spawn: every check, each in a new process group whose collectives time out after
-    COLLECTIVE_SECONDS, then a barrier of all ranks; one JSON line per check and rank."""
+def worker(rank: int, port: int, folder: str) -> None:
+    """One rank of the spawn: for each world size, every check on ranks 0 .. world - 1, each in a new process
+    group of those ranks whose collectives time out after COLLECTIVE_SECONDS, then a barrier of all ranks; one
+    JSON line per world size, check and rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["NUMBA_NUM_THREADS"] = "1"                 # one thread per rank (numba is not imported yet):
     torch.set_num_threads(1)                              # the ranks share the machine's cores
     warm_up()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(WORLDS),
                             timeout=timedelta(seconds=SPAWN_SECONDS))
     with open(Path(folder) / f"rank{rank}.jsonl", "w") as log:
-        for name, check in rank_checks(world):
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
-            began = time.perf_counter()
-            try:
-                check(rank, world, group)
-                error = None
-            except Exception:                                    # recorded, the parent's test fails with it
-                error = traceback.format_exc()
-            log.write(json.dumps({"check": name, "error": error, "seconds": time.perf_counter() - began}) + "\n")
-            log.flush()
+        for world, name, check in all_checks():
+            group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
+            if rank < world:
+                began = time.perf_counter()
+                try:
+                    check(rank, world, group)
+                    error = None
+                except Exception:                                # recorded, the parent's test fails with it
+                    error = traceback.format_exc()
+                log.write(json.dumps({"world": world, "check": name, "error": error,
+                                      "seconds": time.perf_counter() - began}) + "\n")
+                log.flush()
             dist.barrier()             # the next check starts together, even after a rank timed out in this one
     dist.destroy_process_group()
 
@@ -273,16 +276,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(world: int, folder: Path) -> dict:
-    """Run every check on ``world`` ranks: {check: [each rank's error or None, or "missing ..."]}."""
+def spawn(folder: Path) -> dict:
+    """Run every check: {(world, check): [each rank's error, None if it passed]}."""
     warm_up()
-    context = mp.start_processes(worker, args=(world, free_port(), str(folder)), nprocs=world, join=False,
+    context = mp.start_processes(worker, args=(free_port(), str(folder)), nprocs=max(WORLDS), join=False,
                                  start_method="spawn")
     deadline, crash = time.monotonic() + SPAWN_SECONDS, None
     try:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.1), grace_period=5):
             if time.monotonic() > deadline:
-                crash = f"the spawn of {world} ranks ran past {SPAWN_SECONDS} s and was killed"
+                crash = f"the spawn ran past {SPAWN_SECONDS} s and was killed"
                 break
     except Exception as exc:                                      # a rank died (its traceback is in exc)
         crash = f"a rank crashed: {exc}"
@@ -291,30 +294,24 @@ def spawn(world: int, folder: Path) -> dict:
             if process.is_alive():
                 process.kill()
                 process.join()
-    outcomes = {name: [f"rank {r} did not finish {name!r}: {crash}" for r in range(world)]
-                for name, _ in rank_checks(world)}
-    for r in range(world):
+    outcomes = {(world, name): [f"rank {r} did not finish {name!r}: {crash}" for r in range(world)]
+                for world, name, _ in all_checks()}
+    for r in range(max(WORLDS)):
         path = folder / f"rank{r}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else ():
             record = json.loads(line)
-            outcomes[record["check"]][r] = record["error"]
+            outcomes[record["world"], record["check"]][r] = record["error"]
     return outcomes
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """ranks(world) -> the outcomes of one spawn of ``world`` ranks (spawned once per module)."""
-    spawned = {}
-
-    def outcomes(world: int) -> dict:
-        if world not in spawned:
-            spawned[world] = spawn(world, tmp_path_factory.mktemp(f"world{world}"))
-        return spawned[world]
-    return outcomes
+def ranks(tmp_path_factory) -> dict:
+    """The outcomes of every check (one spawn per module)."""
+    return spawn(tmp_path_factory.mktemp("ranks"))
 
 
-def assert_every_rank_passed(outcomes: dict, check: str) -> None:
-    failures = [f"rank {r}:\n{error}" for r, error in enumerate(outcomes[check]) if error is not None]
+def assert_every_rank_passed(outcomes: dict, world: int, check: str) -> None:
+    failures = [f"rank {r}:\n{error}" for r, error in enumerate(outcomes[world, check]) if error is not None]
     assert not failures, "\n".join(failures)
 
 
@@ -322,24 +319,24 @@ def assert_every_rank_passed(outcomes: dict, check: str) -> None:
 @pytest.mark.parametrize("world, name", [(w, name) for name, case in CASES.items() for w in WORLDS
                                          if w in case.shards])
 def test_shards_equal_single_process(ranks, world, name):
-    assert_every_rank_passed(ranks(world), name)
+    assert_every_rank_passed(ranks, world, name)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_second_call_gives_the_same_bits(ranks, world):
-    assert_every_rank_passed(ranks(world), "repeatable")
+    assert_every_rank_passed(ranks, world, "repeatable")
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_with_different_patterns_all_raise(ranks, world):
-    assert_every_rank_passed(ranks(world), "different-patterns")
+    assert_every_rank_passed(ranks, world, "different-patterns")
 
 
 @pytest.mark.parametrize("whose", ["every", "rank-1"])
 @pytest.mark.parametrize("name", ["key_padding_mask", "global_mask", "documents"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_mask_of_the_shard_raises_naming_it(ranks, world, name, whose):
-    assert_every_rank_passed(ranks(world), f"part-of-{name}-on-{whose}")
+    assert_every_rank_passed(ranks, world, f"part-of-{name}-on-{whose}")
 
 
 def test_needs_an_initialised_process_group():
