@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -531,9 +530,6 @@ def figure(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in machine.load_average()]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -550,20 +546,15 @@ def main() -> None:
         args.n, args.ranks, args.measured_n, args.measured_ranks, args.repeats = [65_536, 131_072], [2, 4, 8], \
             [16_384], [2], 1
     os.environ["NUMBA_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"       # for the spawned workers
-    where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
-             **machine.versions(("torch", "numba")), "loadavg_before": _load()}
+    where = machine.benchmark_header(("torch", "numba"))
     started = time.perf_counter()
     computed = run_computed(sorted(args.n), sorted(args.ranks))
     measured = run_measured(sorted(args.measured_n), sorted(args.measured_ranks), args.repeats, args.limit)
-    where["loadavg_after"] = _load()
+    where["loadavg_after"] = machine.load_average()
     record = {"command": " ".join(["python benchmarks/context_parallel.py", *sys.argv[1:]]), "machine": where,
               "sizes": sorted(args.n), "ranks": sorted(args.ranks), "repeats": args.repeats,
               "wall_s": time.perf_counter() - started, "computed": computed, "measured": measured}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "context_parallel.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "context_parallel.md").write_text(markdown(record))
-    figure(record, args.out / "context_parallel.png")
-    print(markdown(record))
+    print(machine.write_results(args.out, "context_parallel", record, markdown, figure))
 
 
 if __name__ == "__main__":

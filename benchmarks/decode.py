@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -397,9 +396,6 @@ def figure(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in machine.load_average()]
-
 
 def run_point(argv: list[str]) -> dict:
     if argv[0] == "decode":
@@ -426,8 +422,7 @@ def main() -> None:
         return
     if args.quick:
         args.n, args.rounds, args.steps, args.generate_tokens, args.equality_tokens = [4096, 8192], 1, 8, 512, 400
-    where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
-             **machine.versions(("torch", "numba", "transformers")), "loadavg_before": _load()}
+    where = machine.benchmark_header(("torch", "numba", "transformers"))
     started = time.perf_counter()
     decode = run_decode(sorted(args.n), args.rounds, args.steps, args.limit)
     equality = _child(["equality", str(args.equality_tokens)], args.limit)
@@ -435,16 +430,12 @@ def main() -> None:
     generate = _child(["generate", str(args.generate_tokens)], 2 * args.limit)
     print(f"generate {args.generate_tokens} tokens: " + (generate.get("error") or f"{generate['wall_s']:.0f} s"),
           flush=True)
-    where["loadavg_after"] = _load()
+    where["loadavg_after"] = machine.load_average()
     record = {"command": " ".join(["python benchmarks/decode.py", *sys.argv[1:]]), "machine": where,
               "pattern": PATTERN_NAME, "heads": [Q_HEADS, KV_HEADS], "head_dim": DIM, "dtype": "float32",
               "sizes": sorted(args.n), "rounds": args.rounds, "steps": args.steps,
               "wall_s": time.perf_counter() - started, "decode": decode, "equality": equality, "generate": generate}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "decode.md").write_text(markdown(record))
-    figure(record, args.out / "decode.png")
-    print(markdown(record))
+    print(machine.write_results(args.out, "decode", record, markdown, figure))
 
 
 if __name__ == "__main__":

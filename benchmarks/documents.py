@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import re
 import resource
 import statistics
@@ -500,9 +499,6 @@ def figure(record: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in machine.load_average()]
-
 
 def run_point(argv: list[str]) -> dict:
     kind, doc_set, n, extra = argv[0], argv[1], int(argv[2]), argv[3:]
@@ -528,22 +524,17 @@ def main() -> None:
         print(json.dumps(run_point(args.point)))
         return
     sizes, repeats = ([16_384], 2) if args.quick else (sorted(args.n), args.repeats)
-    where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
-             **machine.versions(("torch", "numba")), "loadavg_before": _load()}
+    where = machine.benchmark_header(("torch", "numba"))
     started = time.perf_counter()
     layouts = run_layouts(sizes, repeats, args.limit, args.memory_gib)
     attention = run_attention([n for n in sizes if n <= args.attention_max], repeats, 2 * args.limit,
                               args.memory_gib)
-    where["loadavg_after"] = _load()
+    where["loadavg_after"] = machine.load_average()
     record = {"command": " ".join(["python benchmarks/documents.py", *sys.argv[1:]]), "machine": where,
               "pattern": PATTERN_NAME, "block_size": BLOCK, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
               "sizes": sizes, "repeats": repeats, "limit_s": args.limit, "memory_gib": args.memory_gib,
               "wall_s": time.perf_counter() - started, "layouts": layouts, "attention": attention}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "documents.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "documents.md").write_text(markdown(record))
-    figure(record, args.out / "documents.png")
-    print(markdown(record))
+    print(machine.write_results(args.out, "documents", record, markdown, figure))
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ def cpu_model() -> str:
 
 
 def load_average() -> tuple[float, float, float]:
-    """Runnable processes averaged over the last 1, 5 and 15 minutes: on a shared machine, how busy
-    it was while something was timed (record it before and after)."""
-    return os.getloadavg()
+    """Runnable processes averaged over the last 1, 5 and 15 minutes (2 decimals, as the kernel keeps them):
+    on a shared machine, how busy it was while something was timed (record it before and after)."""
+    return tuple(round(x, 2) for x in os.getloadavg())
 
 
 def status_bytes(field: str) -> int:
@@ -74,6 +74,24 @@ def describe() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def benchmark_header(packages) -> dict:
+    """What a benchmark's results record of the machine: CPU model and count, platform, the versions of
+    ``packages``, and the load average before the run (add ``"loadavg_after"`` when it ends)."""
+    return {"cpu": cpu_model(), "cores": cpus(), "platform": platform.platform(), **versions(packages),
+            "loadavg_before": load_average()}
+
+
+def write_results(out: Path, stem: str, record: dict, markdown, figure) -> str:
+    """``out/stem.json`` (the record), ``.md`` (``markdown(record)``) and ``.png`` (``figure(record, path)``);
+    returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    text = markdown(record)
+    (out / f"{stem}.md").write_text(text)
+    figure(record, out / f"{stem}.png")
+    return text
 
 
 def run_json(command: list[str], limit_s: float, explain=lambda last, status: last, **options) -> dict:
