@@ -205,14 +205,12 @@ class ShardPlan:
         rows_before = s0 - (s0 // step) * step
         local_layout = self._local_layout(rank, compact)
 
-        ship = np.flatnonzero(self._shipped)
-        ship_rows = [np.arange(seg["block"][s] * step + seg["lo"][s], seg["block"][s] * step + seg["hi"][s])
-                     for s in ship]
-        owners = seg["rank"][ship]
-        lse_rows = np.concatenate([r for r, o in zip(ship_rows, owners) if o == rank] + [np.zeros(0, np.int64)]) - s0
+        ship = np.flatnonzero(self._shipped)        # segments are in rank order: grouped by owner, as sent
+        none = [np.zeros(0, np.int64)]
+        lse_rows = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + seg["block"][s] * step - s0
+                                   for s in ship if seg["rank"][s] == rank] + none)
         lse_slots = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + t * step
-                                    for t, s in enumerate(ship)] + [np.zeros(0, np.int64)])
-        lse_slots = lse_slots[np.argsort(np.repeat(owners, seg["hi"][ship] - seg["lo"][ship]), kind="stable")]
+                                    for t, s in enumerate(ship)] + none)
         return RankProgram(
             n_compact=int(n_compact),
             own_slots=torch.from_numpy(own_slots),
