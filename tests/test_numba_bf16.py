@@ -4,6 +4,8 @@ values, lse, dq, dk and dv, on every case of test_numba_backend, and the pieces 
 from __future__ import annotations
 
 import doctest
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -153,7 +155,7 @@ def test_pairs_layouts():
 
 
 @needs_native
-@pytest.mark.parametrize("m, n, k, first", [(64, 64, 64, 0), (7, 50, 33, 3), (1, 1, 2, 0), (64, 1024, 64, 10)])
+@pytest.mark.parametrize("m, n, k, first", [(64, 64, 64, 0), (7, 50, 34, 3), (1, 1, 2, 0), (64, 1024, 64, 10)])
 def test_brgemm_matches_float32_products(m, n, k, first):
     """c (+)= a @ B[:, first:first + n] on row slices with row strides, B packed with pairs_t."""
     gen = torch.Generator().manual_seed(0)
@@ -166,6 +168,45 @@ def test_brgemm_matches_float32_products(m, n, k, first):
     numba_bf16.brgemm(numba_bf16.bits(a)[:, :k], packed.reshape(-1)[first * 2:], packed.shape[1], c.numpy()[:, :n],
                       True)
     torch.testing.assert_close(c[:, :n], want, rtol=1e-5, atol=1e-4)
+
+
+def test_brgemm_refuses_an_odd_k():
+    """B is packed in pairs of rows; on AMX an odd K made brgemm read and write out of bounds."""
+    a = np.zeros((4, 33), np.uint16)
+    with pytest.raises(ValueError, match="even number of columns"):
+        numba_bf16.brgemm(a, np.zeros(34 * 256, np.uint16), 256, np.zeros((4, 8), np.float32), False)
+
+
+RELEASE_THEN_ONEDNN = """
+import torch
+from numba import njit
+from sparse_attn.backends import numba_bf16
+
+@njit
+def release():
+    numba_bf16.release_tiles(1)      # any bf16 operands: the overload only looks at the type
+
+def product():
+    a, b = torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+    c = torch.empty(64, 64)
+    numba_bf16.brgemm(numba_bf16.bits(a), numba_bf16.pairs_t(b).reshape(-1), numba_bf16.ROW_MULTIPLE, c.numpy(), False)
+    release()
+    torch.testing.assert_close(c, a.float() @ b.float().T, rtol=1e-5, atol=1e-4)
+
+product()
+torch.randn(512, 2048).bfloat16() @ torch.randn(2048, 300).bfloat16()   # oneDNN: on AMX, configures and releases the tiles
+product()
+print("ok")
+"""
+
+
+@needs_native
+def test_a_released_brgemm_survives_onednn_on_the_same_thread():
+    """brgemm configures the AMX tiles only when the thread's kernel changes; a oneDNN matmul in between
+    releases them. Without release_tiles the second product ran unconfigured tile instructions (SIGILL on
+    AMX CPUs), in a subprocess so that a crash fails this test instead of ending the run."""
+    done = subprocess.run([sys.executable, "-c", RELEASE_THEN_ONEDNN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 @needs_native

@@ -39,15 +39,21 @@ from .numba_lowlevel import FASTMATH, gemm
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
 #                             float* C, bool is_vnni): C (M, N) (+)= A (M, K) @ B, B packed (K/2, ld_b, 2)
 _BRGEMM = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+# at::native::cpublas::brgemm_release(bool is_vnni): on AMX, releases the thread's tile configuration and
+# forgets which kernel configured it. brgemm configures the tiles only when the thread's kernel changes, so
+# after any other AMX user on the thread (a oneDNN bf16 matmul of torch releases the tiles when it ends) a
+# brgemm without this release first runs tile instructions unconfigured: SIGILL. Every worker releases when
+# its share of a kernel is done, as torch's own CPU flash attention does.
+_BRGEMM_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 ROW_MULTIPLE = 256  # pairs_t's rows are padded to a multiple of this
 
 
 @functools.cache
-def _brgemm_address() -> int | None:
-    """The address of torch's bf16 brgemm, or None where this torch does not export it."""
+def _addresses() -> dict[str, int] | None:
+    """The addresses of torch's bf16 brgemm and brgemm_release, or None where this torch does not export them."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return ctypes.cast(getattr(lib, _BRGEMM), ctypes.c_void_p).value
+        return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (_BRGEMM, _BRGEMM_RELEASE)}
     except (OSError, AttributeError):                    # another platform's library name, or no such symbol
         return None
 
@@ -65,8 +71,8 @@ def native() -> tuple[bool, str]:
     torch's brgemm, and oneDNN enabled (torch raises inside brgemm otherwise)."""
     if not _cpu_has_bf16():
         return False, "no native bf16 dot products on this CPU (AVX512-BF16 or AMX-BF16)"
-    if _brgemm_address() is None:
-        return False, f"this torch ({torch.__version__}) exports no bf16 brgemm"
+    if _addresses() is None:
+        return False, f"this torch ({torch.__version__}) exports no bf16 brgemm and brgemm_release"
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False, "oneDNN is disabled (torch.backends.mkldnn.enabled)"
     if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
@@ -74,8 +80,13 @@ def native() -> tuple[bool, str]:
     return True, "bf16 matmuls on oneDNN brgemm (native bf16 dot products)"
 
 
-if _brgemm_address() is not None:
-    llvm.add_symbol(_BRGEMM, _brgemm_address())          # before any cached kernel that calls it links
+def _add_symbols() -> None:
+    """Let Numba's linker resolve the torch functions, before any cached kernel that calls them links."""
+    for name, address in (_addresses() or {}).items():
+        llvm.add_symbol(name, address)
+
+
+_add_symbols()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,13 +144,38 @@ def _call_brgemm(typingctx, m, n, k, ld_a, ld_b, ld_c, add, a, b, c):
 @njit(cache=True)
 def brgemm(a, b, ld_b, c, add):
     """c (M, N) (+)= a (M, K) @ B, B (K/2, ld_b, 2) packed by ``pairs`` and read from the start of the
-    flat uint16 array b. a, c: row slices with unit column stride (any row stride); K = a's columns."""
+    flat uint16 array b. a, c: row slices with unit column stride (any row stride); K = a's columns, even
+    (on AMX an odd K reads and writes out of bounds)."""
     m, n = c.shape
+    if a.shape[1] % 2:
+        raise ValueError("brgemm: a must have an even number of columns (B is packed in pairs of rows)")
     if m == 0 or n == 0 or a.shape[1] == 0:
         if not add:
             c[:] = 0
         return
     _call_brgemm(m, n, a.shape[1], a.strides[0] // 2, ld_b, c.strides[0] // 4, add, a, b, c)
+
+
+@intrinsic
+def _call_brgemm_release(typingctx):
+    """torch's brgemm_release(is_vnni=True)."""
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)])                       # the bool as int, as above
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _BRGEMM_RELEASE)
+        builder.call(fn, [ir.Constant(ir.IntType(32), 1)])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def release_tiles(ops):
+    """After a worker's last matmul of a kernel: hand the AMX tiles back (bf16 operands; nothing for None)."""
+
+
+@overload(release_tiles)
+def _release_tiles(ops):
+    if isinstance(ops, types.NoneType):
+        return lambda ops: None
+    return lambda ops: _call_brgemm_release()
 
 
 @intrinsic

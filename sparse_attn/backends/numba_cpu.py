@@ -118,7 +118,7 @@ from ..layout import BlockLayout
 from .numba_bundles import (BackwardScratch, Config, ForwardResult, ForwardScratch, Gradients, Incoming, KeyBlock,
                             Panel, Segment, block_index, kv_example, query_examples, segment)
 from .numba_bf16 import (add_grads, add_pv, backward_operands, bits, forward_operands, grad_operands,
-                         head_backward, head_forward, probabilities, scores, scores_t, to_float)
+                         head_backward, head_forward, probabilities, release_tiles, scores, scores_t, to_float)
 from .numba_bf16 import native as native_bf16
 from .numba_exact import exact_dk_dv, exact_dq_rows, exact_row
 from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add
@@ -147,7 +147,7 @@ def _forward(qkv, ops, index, config, order, n_workers, result):
 @njit(cache=True, fastmath=FASTMATH)
 def _forward_worker(counter, w, qkv, ops, index, config, order, result):
     """Worker w: takes the next task from the counter until none is left. Task (example b, head h,
-    query block r) is _forward_block on those rows."""
+    query block r) is _forward_block on those rows. Then it hands back the AMX tiles it may hold."""
     q, k, v = qkv
     heads, n_q = q.shape[1], q.shape[2]
     group, n_k = heads // k.shape[1], k.shape[2]
@@ -164,6 +164,7 @@ def _forward_worker(counter, w, qkv, ops, index, config, order, result):
         e = kv_example(b, k.shape[0])
         _forward_block(q[b, h, rows], k[e, h // group], v[e, h // group], head_forward(ops, w, b, e, h, h // group, rows),
                        segment(index, b, h, r), index, config, scratch, _result_rows(result, b, h, rows))
+    release_tiles(ops)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -452,7 +453,8 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
     """Worker w's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
     there; each task (example e of k, v, kv head g, key block c) zeroes and then accumulates its own
     rows of grads.dk and grads.dv, over every query example that reads them (all B where k, v have
-    batch 1), and recomputes by the exact path the keys whose result is not finite."""
+    batch 1), and recomputes by the exact path the keys whose result is not finite. Then it hands back
+    the AMX tiles it may hold."""
     q, k, v = qkv
     batch, heads, n_q = q.shape[0], q.shape[1], q.shape[2]
     kv_batch, kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
@@ -482,6 +484,7 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
         for j in range(j0, j0 + key_block.k.shape[0]):
             if not (_finite(grads.dk[e, g, j:j + 1]) and _finite(grads.dv[e, g, j:j + 1])):
                 grads.dk[e, g, j], grads.dv[e, g, j] = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
+    release_tiles(ops)
 
 
 @njit(cache=True, fastmath=FASTMATH)
