@@ -88,12 +88,14 @@ def compile_for_h100(kernel, constexprs: dict, dtype: str, warps: int, stages: i
             "pipelined": "async_copy_global_to_local" in compiled.asm["ttgir"] or "async_tma" in compiled.asm["ttgir"]}
 
 
-def launched(kernel_name: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(num_warps, num_stages) the backend launches ``kernel_name`` with on an H100."""
+def launched(kernel_name: str, head_dim: int, dtype_name: str) -> tuple[int, int]:
+    """(num_warps, num_stages) the backend launches ``kernel_name`` with on an H100, block ``BLOCK``."""
     if kernel_name == "preprocess":
         settings = triton_gpu.PREPROCESS_LAUNCH
     else:
-        settings = triton_gpu.launch_settings(head_dim, dtype, H100_SHARED_MEMORY, backward=kernel_name != "forward")
+        precision = "tf32" if dtype_name == "tf32" else triton_gpu.dot_precision(DTYPES[dtype_name])
+        settings = triton_gpu.launch_settings(head_dim, DTYPES[dtype_name], H100_SHARED_MEMORY,
+                                              backward=kernel_name != "forward", block=BLOCK, precision=precision)
     return settings["num_warps"], settings["num_stages"]
 
 
@@ -104,7 +106,7 @@ def compile_all(head_dims, dtypes, sweep: bool, ragged: bool) -> list[dict]:
     for dtype_name in dtypes:
         for head_dim in head_dims:
             for kernel_name, kernel in KERNELS.items():
-                chosen = launched(kernel_name, head_dim, DTYPES[dtype_name])
+                chosen = launched(kernel_name, head_dim, dtype_name)
                 settings = {chosen}
                 if sweep and kernel_name != "preprocess":
                     settings |= {(w, s) for w in (4, 8) for s in (1, 2, 3)}

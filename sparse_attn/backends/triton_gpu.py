@@ -367,18 +367,47 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backward: bool) -> dict:
-    """num_warps and num_stages (software-pipelining depth of the key-block loops) for a GPU whose blocks
+# Measured launch settings, written by benchmarks/triton_tune.py (which prints this literal) on an H100:
+# (pass, block, BLOCK_D, dtype) -> (num_warps, num_stages), pass "forward" or "backward" (the dK/dV and dQ
+# kernels share it; the preprocess kernel keeps PREPROCESS_LAUNCH). float32 entries were timed with exact
+# matmuls, so they do not apply while TF32 is allowed. A missing key uses the rule in launch_settings.
+# Empty: nothing has been measured on a GPU yet.
+LAUNCH_TABLE: dict[tuple[str, int, int, torch.dtype], tuple[int, int]] = {}
+
+
+def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backward: bool, block: int,
+                    precision: str) -> dict:
+    """num_warps and num_stages (software-pipelining depth of the key-block loops) for ``block`` x ``block``
+    tiles of ``dtype`` inputs whose matmuls run at ``precision`` (``dot_precision``), on a GPU whose blocks
     may use ``shared_memory`` bytes.
 
-    Chosen from the kernels lowered for sm_90 (``benchmarks/triton_resources.py``): 8 warps where 4 would
-    spill registers (head_dim > 64; float32, whose exact matmuls run on FMA units, from head_dim 64), and
-    one stage fewer at head_dim > 64 on GPUs with under 128 KB of shared memory per block (sm_86/89).
+    >>> launch_settings(64, torch.bfloat16, 227 * 1024, backward=False, block=64, precision="tf32")
+    {'num_warps': 4, 'num_stages': 3}
+
+    The setting measured in ``LAUNCH_TABLE`` if there is one, else a rule chosen from the kernels lowered
+    for sm_90 (``benchmarks/triton_resources.py``): 8 warps where 4 would spill registers (head_dim > 64;
+    float32, whose exact matmuls run on FMA units, from head_dim 64), 3 stages in the forward and 2 in the
+    backward. Either way one stage fewer at head_dim > 64 on GPUs with under 128 KB of shared memory per
+    block (sm_86/89): table entries are measured on sm_90 (227 KB), where deeper pipelines fit.
     """
-    stages = 2 if backward else 3
+    measured = LAUNCH_TABLE.get(("backward" if backward else "forward", block, padded_head_dim(head_dim), dtype))
+    if measured is None or (dtype == torch.float32 and precision == "tf32"):
+        warps, stages = _launch_rule(head_dim, dtype, backward)
+    else:
+        warps, stages = measured
+    if head_dim > 64 and shared_memory < 128 * 1024:
+        stages = max(1, stages - 1)
+    return dict(num_warps=warps, num_stages=stages)
+
+
+def _launch_rule(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+    """(num_warps, num_stages) on sm_90 without a measurement: from compiler resource reports, never timed.
+
+    >>> _launch_rule(128, torch.bfloat16, backward=True)
+    (8, 2)
+    """
     wide = head_dim > 64 or (dtype == torch.float32 and head_dim > 32)
-    return dict(num_warps=8 if wide else 4,
-                num_stages=stages - 1 if head_dim > 64 and shared_memory < 128 * 1024 else stages)
+    return 8 if wide else 4, 2 if backward else 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,8 +431,9 @@ def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
 PREPROCESS_LAUNCH = dict(num_warps=4, num_stages=1)   # one pass over a (BLOCK, D) tile: nothing to pipeline
 
 
-def _launch(q: torch.Tensor, backward: bool) -> dict:
-    return launch_settings(q.shape[-1], q.dtype, _shared_memory(q.device), backward)
+def launch_for(q: torch.Tensor, block: int, backward: bool) -> dict:
+    """The launch settings the attention kernels get for ``q`` (B, H, N, D) on its device with ``block`` tiles."""
+    return launch_settings(q.shape[-1], q.dtype, _shared_memory(q.device), backward, block, dot_precision(q.dtype))
 
 
 def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
@@ -415,7 +445,7 @@ def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
     _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
                       *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr),
                       scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1],
-                      **_launch(q, backward=False), **_meta(q, k, block))
+                      **launch_for(q, block, backward=False), **_meta(q, k, block))
     return out, lse
 
 
@@ -424,7 +454,7 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
         part_t_mask = index
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
-    meta, launch = _meta(q, k, block), _launch(q, backward=True)
+    meta, launch = _meta(q, k, block), launch_for(q, block, backward=True)
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq) fp32
     lse2 = torch.empty_like(lse)
     q_grid = (triton.cdiv(n_q, block), batch * heads)
