@@ -1,0 +1,165 @@
+"""The GPU runs behind the Triton backend's numbers, in stages that each fit one 10-minute call on a lent GPU.
+
+    python benchmarks/gpu_session.py check     # ~1 min: the GPU, driver, versions, clocks; the two ceilings
+    python benchmarks/gpu_session.py tests     # <= 9 min: the Triton and nn tests on the GPU, log + summary
+    python benchmarks/gpu_session.py tune      # <= 8 min: benchmarks/triton_tune.py --resume (launch settings)
+    python benchmarks/gpu_session.py bench     # <= 8 min: benchmarks/gpu_kernels.py --resume (targets first)
+    python benchmarks/gpu_session.py profile   # ~2 min: torch.profiler of triton and FlexAttention at N=32K
+    python benchmarks/gpu_session.py tests --dry-run     # print the commands, run nothing (no GPU needed)
+
+Every stage writes into ``--out`` (default: ``$OUT``, the folder a GPU machine lent by the device tool
+sends back): at most four files a stage. ``tune`` and ``bench`` first copy their committed rows
+(``benchmarks/results/triton_tune.json``, ``gpu_kernels.json``) there and run with ``--resume``, so a
+second call goes on where the first stopped once its files are copied back into ``benchmarks/results/``
+(and committed: the device machine keeps nothing between calls). A stage's
+commands run in order; the stage's exit status is the first non-zero one, and it still runs the rest,
+so a failing test run leaves its log.
+
+On a GPU the machine sends back only the end of the output, so every stage ends with a short summary.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PYTHON = sys.executable
+RESUMED = {"tune": "triton_tune.json", "bench": "gpu_kernels.json"}  # a stage's rows, kept by its --resume
+
+def check(out: Path) -> None:
+    """The GPU as found (nvidia-smi: driver, clocks, temperature) and the two ceilings every kernel is judged
+    against, measured: memory bandwidth and the bf16 matmul rate. Printed and written to gpu_check.txt."""
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,"
+                          "temperature.gpu,power.draw", "--format=csv"], capture_output=True, text=True)
+    props = torch.cuda.get_device_properties(0)
+    lines = [smi.stdout.strip() or smi.stderr.strip(),
+             f"{props.name}: {props.multi_processor_count} SMs, {props.total_memory / 2**30:.1f} GiB, "
+             f"L2 {props.L2_cache_size / 2**20:.0f} MiB; torch {torch.__version__} (CUDA {torch.version.cuda}), "
+             f"triton {triton.__version__}"]
+    src = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)                          # 512 MiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    lines.append(f"device-to-device copy: {2 * src.numel() * src.element_size() / ms / 1e6:.0f} GB/s "
+                 f"(read + written, median)")
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, return_mode="median")
+    lines.append(f"bf16 8192^3 matmul: {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s (random data, median)")
+    (out / "gpu_check.txt").write_text("\n".join(lines) + "\n")
+    print(*lines, sep="\n")
+
+
+def profile(out: Path, n: int = 32768, heads: int = 16) -> None:
+    """Where the time of forward+backward goes: CUDA kernels of triton and of FlexAttention (block 128) on the
+    Longformer pattern at the target length, warm, three steps each; the tables go to gpu_profile.txt."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    sys.path.insert(0, str(REPO))
+    import sparse_attn as sa
+    from sparse_attn.api import sparse_attention
+
+    pattern = sa.Local(256) | sa.Global(first=16)
+    flex = torch.compile(flex_attention, fullgraph=True)
+    block_mask = pattern.layout(n, heads=heads, block_size=128).to("cuda").to_block_mask()
+    layout = pattern.layout(n, heads=heads).to("cuda")
+    tables = []
+    for head_dim in (64, 128):
+        q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))                                                       # (B, H, N, D)
+        grad_out = torch.randn_like(q)
+        runs = {"triton": lambda: sparse_attention(q, k, v, layout, backend="triton"),
+                "flex-128": lambda: flex(q, k, v, block_mask=block_mask)}
+        for name, forward in runs.items():
+            for _ in range(2):                                                              # compile, warm up
+                forward().backward(grad_out)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    forward().backward(grad_out)
+                torch.cuda.synchronize()
+            tables.append(f"## {name}: Longformer, N={n}, B=1, H={heads}, D={head_dim}, bf16, forward+backward x3\n\n"
+                          + prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    (out / "gpu_profile.txt").write_text("\n\n".join(tables) + "\n")
+    print("\n\n".join(tables))
+
+
+def stages(out: Path) -> dict[str, list]:
+    """Each stage's steps writing into ``out``: commands (argument lists, run from the repository root) or
+    functions of this module called with ``out``."""
+    pytest_log = shlex.quote(str(out / "gpu_pytest.log"))
+    pytest = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "--durations=10", "-p", "no:cacheprovider",
+                         "tests/test_triton_backend.py", "tests/test_nn.py"])
+    return {
+        "check": [check],
+        "tests": [["bash", "-c", f"set -o pipefail; timeout 540 {pytest} 2>&1 | tee {pytest_log}"],
+                  ["bash", "-c", f"grep -E '^(FAILED|ERROR)|passed|failed' {pytest_log} | tail -40 "
+                                 f"> {shlex.quote(str(out / 'gpu_pytest_summary.txt'))}"]],
+        "tune": [[PYTHON, "benchmarks/triton_tune.py", "--resume", "--budget-s", "480", "--out", str(out)]],
+        "bench": [[PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--budget-s", "480", "--out", str(out)]],
+        "profile": [profile],
+    }
+
+
+def run(steps: list, out: Path, dry_run: bool) -> int:
+    """Run ``steps`` in order; the first non-zero exit status (0 if none). A step that cannot start or a
+    function step that raises prints its error and counts as status 1."""
+    status = 0
+    for step in steps:
+        print("$", shlex.join(step) if isinstance(step, list) else f"{Path(__file__).name}: {step.__name__}(out)",
+              flush=True)
+        if dry_run:
+            continue
+        start = time.monotonic()
+        code = _call(lambda: subprocess.run(step, cwd=REPO).returncode if isinstance(step, list) else step(out))
+        print(f"[exit {code} after {time.monotonic() - start:.0f} s]", flush=True)
+        status = status or code
+    return status
+
+
+def _call(function) -> int:
+    """function()'s exit status (None: 0), or 1 with the error printed if it raises."""
+    try:
+        return function() or 0
+    except Exception as error:  # one step failing is reported and the stage goes on, like a failed command
+        print(f"{type(error).__name__}: {error}", flush=True)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile"])
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
+                        help="where the stage writes its files (default: $OUT)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        parser.error("--out is needed where $OUT is not set (the device tool sets it on a lent GPU)")
+    out = args.out.resolve()
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/gpu_session.py runs on a CUDA GPU and none is visible here "
+                     "(torch.cuda.is_available() is False); --dry-run prints what a stage would run")
+        out.mkdir(parents=True, exist_ok=True)
+        resumed = RESUMED.get(args.stage)
+        if resumed and (RESULTS / resumed).exists() and not (out / resumed).exists():
+            shutil.copy(RESULTS / resumed, out / resumed)                         # --resume keeps its rows
+    return run(stages(out)[args.stage], out, args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
