@@ -1,42 +1,59 @@
-"""GPU kernels: backend="triton" against FlexAttention (same blocks) and dense flash SDPA.
+"""GPU kernels: backend="triton" against FlexAttention (same blocks), dense flash SDPA and masked dense SDPA.
 
-    python benchmarks/gpu_kernels.py --resume                 # the grid, target points first, 500-s budget
-    python benchmarks/gpu_kernels.py --resume --million       # the 1M-token Longformer memory target
+    python benchmarks/gpu_kernels.py --resume                 # the plan: targets, the 1M point, the rest; 500-s budget
+    python benchmarks/gpu_kernels.py --resume --million       # only the 1M-token Longformer memory target
     python benchmarks/gpu_kernels.py --list --resume          # the points left to measure (no GPU needed)
-    python benchmarks/gpu_kernels.py [--quick] [--n 8192 32768] [--batch 1 4] [--head-dim 64 128]
+    python benchmarks/gpu_kernels.py [--quick] [--n 8192 32768] [--batch 1 4] [--head-dim 64 128] [--no-million]
                                      [--patterns ...] [--impls ...] [--budget-s 500] [--out benchmarks/results]
 
 For bf16, H=16 heads, every (pattern, head_dim, batch, N) point times the forward and the
-forward+backward of three implementations on identical inputs:
+forward+backward of five implementations on identical inputs:
 
-- ``triton``: ``sparse_attention(..., backend="triton")`` with a prebuilt ``BlockLayout``;
-- ``flex``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()``, the same blocks,
-  compiled afresh for each point and never run eagerly (``compiled_flex``);
+- ``triton``: ``sparse_attention(..., backend="triton")`` with a prebuilt ``BlockLayout`` of block 64;
+- ``flex-128``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()`` of the same pattern's
+  layout built with block 128 (FlexAttention's default block), compiled afresh for each point and
+  never run eagerly (``compiled_flex``);
+- ``flex-64``: the same with block 64 (our block), forward kernel tiles 64 x 64 (FlexAttention's
+  default tiles on an H100 are 128 wide, which a 64-block mask does not allow). Its backward keeps
+  FlexAttention's default tiles: where they do not divide 64 (torch 2.13 on sm_90: 64 x 128), the
+  compile fails and the point's forward+backward is an error row. The markdown compares triton with
+  the faster of the two flex blocks, per point and per pass, and says which block that was;
 - ``sdpa``: dense ``scaled_dot_product_attention`` restricted to the flash kernel (causal for the
-  causal pattern), the speed-of-light for the hardware.
+  causal pattern), the speed-of-light for the hardware;
+- ``masked-sdpa``: the naive baseline, dense ``scaled_dot_product_attention`` with the pattern's token
+  mask (``layout.row_mask``: (1, 1, N, N) bool when heads share the pattern, else (1, H, N, N)); torch
+  picks the kernel (recorded as ``sdpa_backend``) and turns the bool mask into a bf16 bias at every
+  call. Where the mask, that bias and the inputs, output and gradients would not fit in the free GPU
+  memory, the point is an error row ("does not fit: ...") without trying.
 
-Throughput is TFLOP/s on *computed* FLOPs: ``layout.flops(D)`` per example for the sparse ones
-(forward; forward+backward counts 3.5x, the backward being 2.5x the forward), ``4 N^2 D`` per
-head (half for causal) for SDPA. Peak memory is the CUDA allocator's high-water mark above the
-inputs during one call; for forward+backward also in all (inputs and gradients included).
+Throughput is TFLOP/s on *computed* FLOPs: ``layout.flops(D)`` per example for the sparse ones (at
+their own block; forward+backward counts 3.5x, the backward being 2.5x the forward), ``4 N^2 D`` per
+head (half for causal flash SDPA) for the dense ones. Peak memory is the CUDA allocator's high-water
+mark above the inputs during one call; for forward+backward also in all (inputs and gradients included).
 
-Points run in order, those that decide the targets first (N=32768, B=1; D=64, then 128; every
-pattern and implementation), then B=1 at the other N, then B=2 and 4. After every point
-``gpu_kernels.json`` and ``gpu_kernels.md`` in ``--out`` are rewritten (whole, never half), so a
-run killed mid-way keeps what it measured; ``--resume`` skips the points already there (error
-rows included; the point a kill interrupted is not there and runs again). No point starts after
-``--budget-s`` seconds: the run then writes, lists what it left and exits 0. An error at one point
-(out of memory, a compile failure) is that point's result; an error that leaves the CUDA context
-unusable stops the run (exit 1), and ``--resume`` continues in a fresh process. ``--million``
-measures only the 1M-token target (Longformer, B=1, D=64, N=1,048,576; triton, then flex: dense
-SDPA would compute 10^12 pairs per head), into the same files.
+The plan, in order (a run may be cut by its budget at any point, so what decides the targets comes
+first): (a) N=32768, B=1, D=64 then 128, every pattern and implementation; (b) the 1M-token point,
+Longformer, B=1, D=64, N=1,048,576, with triton, flex-128 and flex-64 (dense attention would compute
+10^12 pairs per head), in the plan when Longformer is, unless ``--no-million``; ``--million`` alone
+measures only it; (c) the other N at D=64, then at D=128, ascending N (then larger B, if asked).
+After every point ``gpu_kernels.json`` and ``gpu_kernels.md`` in ``--out`` are rewritten (whole,
+never half), so a run killed mid-way keeps what it measured; ``gpu_kernels.png`` (forward+backward
+time and peak memory against N, B=1) is drawn when the run stops: done, budget spent or GPU lost.
+``--resume`` skips the points already there (error rows included; the point a kill interrupted is
+not there and runs again) and refuses rows measured on another set-up (GPU, driver, CUDA, versions).
+No point starts after ``--budget-s`` seconds: the run then writes, lists what it left and exits 0.
+An error at one point (out of memory, a compile failure) is that point's result; an error that leaves
+the CUDA context unusable stops the run (exit 1), and ``--resume`` continues in a fresh process.
 
-Time on one H100, an estimate, not a measurement: the default grid (270 points: 3 patterns x 2 D
-x 3 B x 5 N x 3 implementations) about 60-75 min, mostly FlexAttention compiling anew for every
-shape (~20-40 s a point, forward and training graphs) and dense SDPA at large N (~12 min in all),
-so it takes several 500-s calls with ``--resume``; its first 18 points (the targets) about 5 min;
-``--quick`` (9 points: N=8192, B=1, D=64) about 2 min; ``--million`` (2 points) about 1-2 min.
-Needs a CUDA GPU; it refuses to run without one.
+Time on one H100, an estimate, not a measurement (nothing here has run on a GPU yet): a flex point
+takes ~20-40 s (two compiles: the inference and the training graph), a triton point ~3-8 s (the
+kernels JIT once per head_dim, ~1 min), a dense point ~2-10 s (up to ~40 s at N=128K: masked SDPA
+computes every pair); masked BigBird beyond 32K does not fit and costs nothing. The default plan (183 points: 30 targets, 3 at
+1M, 150 others; 74 of them flex) is ~50-60 min, more than one session's 30 minutes of device time:
+(a) the targets ~7-10 min, (b) the 1M point ~2 min, so two 500-s calls with ``--resume`` decide the
+targets and the memory target; (c) the rest ~40 min (~30 of it compiling flex), which ``--impls``
+or ``--n`` can trim. ``--quick`` (15 points: N=8192, B=1, D=64) ~4 min. Needs a CUDA GPU; it refuses
+to run without one.
 """
 from __future__ import annotations
 
@@ -45,6 +62,8 @@ import gc
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +73,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
-from sparse_attn.machine import versions  # noqa: E402
+from sparse_attn.machine import versions, write_results  # noqa: E402
 
 DEVICE = "cuda"
 HEADS = 16
@@ -63,16 +82,23 @@ BLOCK = 64
 PATTERNS = {  # name: (pattern, causal SDPA baseline)
     "longformer": (sa.Local(256) | sa.Global(first=16), False),
     "bigbird-itc": (sa.bigbird(block=64, window_blocks=3, global_blocks=2, random_blocks=3), False),
-    "streaming-causal": (sa.streaming(sink=4, window=1020), True),
+    "sliding-causal": (sa.Local(1023, 0) & sa.Causal(), True),
 }
-IMPLEMENTATIONS = ("triton", "flex", "sdpa")
+FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64}  # implementation: the block of its layout and BlockMask
+FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}}  # block: forward kernel tiles that divide it
+IMPLEMENTATIONS = ("triton", *FLEX_BLOCKS, "sdpa", "masked-sdpa")
+SPARSE = ("triton", *FLEX_BLOCKS)  # those that skip blocks, the only ones at 1M tokens
 KEY = ("impl", "pattern", "head_dim", "batch", "n")  # a point; a row is a point plus its results
+DEFAULT_N = [4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_N = 32768
 MILLION = 1_048_576
 MILLION_POINT = ("longformer", 64, 1, MILLION)  # (pattern, head_dim, batch, n)
+FIGURE_BATCH = 1
+STEM = "gpu_kernels"
 
 
-def _key(row: dict) -> tuple:
+def point_of(row: dict) -> tuple:
+    """The point a row measured: (impl, pattern, head_dim, batch, n)."""
     return tuple(row[k] for k in KEY)
 
 
@@ -95,14 +121,44 @@ def peak_mb(fn) -> tuple[float, float, float]:
     return (peak - before) / 2**20, peak / 2**20, torch.cuda.max_memory_reserved() / 2**20
 
 
+def free_gpu_bytes() -> int:
+    """Bytes the next allocations can get: free on the device plus what the allocator holds unused."""
+    free, _total = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+class DoesNotFit(Exception):
+    """A point skipped because its estimated memory exceeds the free GPU memory: its row's error."""
+
+
+def masked_sdpa_bytes(layout, batch: int, head_dim: int) -> int:
+    """What masked SDPA needs: the token mask (1 byte a pair, per head only where heads differ), the bias
+    torch builds from it (one ``DTYPE`` a pair), and q, k, v, the output, its gradient and dq, dk, dv.
+
+    >>> masked_sdpa_bytes(sa.Local(256).layout(32768, heads=HEADS), batch=1, head_dim=64) / 2**30
+    3.5
+    """
+    mask_pairs = layout.batch * (1 if layout.shared_heads else layout.heads) * layout.n_q * layout.n_k
+    tensors = 8 * batch * HEADS * layout.n_q * head_dim
+    return mask_pairs * (1 + DTYPE.itemsize) + tensors * DTYPE.itemsize
+
+
+def check_fits(needed: int) -> None:
+    """Raise ``DoesNotFit`` if ``needed`` bytes exceed the free GPU memory."""
+    free = free_gpu_bytes()
+    if needed > free:
+        raise DoesNotFit(f"does not fit: needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+
+
 def compiled_flex():
     """``torch.compile(flex_attention)`` that runs compiled or raises, never silently eagerly.
 
-    Dynamo caches compiled code per code object: every point compiles ``flex_attention`` anew (its
-    shapes are static, and grad mode is guarded too), and past ``recompile_limit`` (8) entries
-    Dynamo would run it eagerly, materialising the N x N scores. ``reset()`` empties that cache for
-    each point; ``fullgraph=True`` turns any fall-back left (a graph break, the limit) into an
-    error, which ``measure`` records as the point's result.
+    Dynamo caches compiled code per code object, and every point compiles ``flex_attention`` anew
+    (its shapes are static, the block mask's tensors and captured tiles differ; on CPU, 24 points of
+    3 patterns x 2 blocks x 2 N x 2 D compile 24 times with or without a reset), so past
+    ``recompile_limit`` (8) entries Dynamo would run it eagerly, materialising the N x N scores.
+    ``reset()`` empties that cache for each point at no extra compile; ``fullgraph=True`` turns any
+    fall-back left (a graph break, the limit) into an error, which ``measure`` records as the point's result.
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -110,20 +166,33 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
-def make_runner(impl: str, q, k, v, layout, causal: bool):
-    """A function computing the attention output with implementation ``impl``."""
+def masked_sdpa_backend(q, k, v, mask) -> str:
+    """The kernel ``scaled_dot_product_attention`` picks for these inputs and mask, e.g. "efficient_attention"."""
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, mask)).name.lower()
+
+
+def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
+    """A function computing the attention output with implementation ``impl`` on ``layout``'s pattern,
+    and what to record of how it runs ({"sdpa_backend": ...} for masked SDPA, else {})."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if impl == "triton":
-        return lambda: sparse_attention(q, k, v, layout, backend="triton")
-    if impl == "flex":
+        return (lambda: sparse_attention(q, k, v, layout, backend="triton")), {}
+    if impl in FLEX_BLOCKS:
         block_mask = layout.to_block_mask()
         flex = compiled_flex()
-        return lambda: flex(q, k, v, block_mask=block_mask)
+        tiles = FLEX_TILES.get(layout.block_size)
+        return (lambda: flex(q, k, v, block_mask=block_mask, kernel_options=tiles)), {}
+    if impl == "masked-sdpa":
+        mask = layout.row_mask(0, layout.n_q_blocks)                        # (1, 1|H, N, N) bool
+        return (lambda: sdpa(q, k, v, attn_mask=mask)), {"sdpa_backend": masked_sdpa_backend(q, k, v, mask)}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa():
+    def flash():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return sdpa
+            return sdpa(q, k, v, is_causal=causal)
+    return flash, {}
 
 
 def _timed_s(fn) -> float:
@@ -137,17 +206,21 @@ def _fill(row: dict) -> None:
     """Measure ``row``'s point into it step by step: what was measured before an error stays."""
     pattern, causal = PATTERNS[row["pattern"]]
     impl, head_dim, batch, n = row["impl"], row["head_dim"], row["batch"], row["n"]
-    layout = pattern.layout(n, heads=HEADS, block_size=BLOCK).to(DEVICE)
+    layout = pattern.layout(n, heads=HEADS, block_size=FLEX_BLOCKS.get(impl, BLOCK)).to(DEVICE)
     row["density"] = layout.density
+    if impl == "sdpa":
+        row["fwd_flops"] = 4 * batch * HEADS * n * n * head_dim // (2 if causal else 1)
+    elif impl == "masked-sdpa":
+        row["fwd_flops"] = 4 * batch * HEADS * n * n * head_dim                # every pair, masked or not
+        check_fits(masked_sdpa_bytes(layout, batch, head_dim))
+    else:
+        row["fwd_flops"] = layout.flops(head_dim) * (batch // layout.batch)
     torch.manual_seed(0)                                                     # every implementation: same inputs
     q, k, v = (torch.randn(batch, HEADS, n, head_dim, device=DEVICE, dtype=DTYPE, requires_grad=True)
                for _ in range(3))                                            # (B, H, N, D)
     grad_out = torch.randn_like(q)                                           # (B, H, N, D)
-    if impl == "sdpa":
-        row["fwd_flops"] = 4 * batch * HEADS * n * n * head_dim // (2 if causal else 1)
-    else:
-        row["fwd_flops"] = layout.flops(head_dim) * (batch // layout.batch)
-    forward = make_runner(impl, q, k, v, layout, causal)
+    forward, details = make_runner(impl, q, k, v, layout, causal)
+    row.update(details)
 
     def forward_backward():
         forward().backward(grad_out)
@@ -169,6 +242,8 @@ def measure(impl: str, pattern_name: str, head_dim: int, batch: int, n: int) -> 
     row = dict(zip(KEY, (impl, pattern_name, head_dim, batch, n)))
     try:
         _fill(row)
+    except DoesNotFit as skipped:
+        row["error"] = str(skipped)
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
     except Exception as error:  # a peer failing at one point (e.g. a compile error) is a result, not a crash
@@ -207,18 +282,31 @@ def run(todo: list[tuple], rows: list[dict], measure_point, save, deadline: floa
 
 
 def plan(args: argparse.Namespace) -> list[tuple]:
-    """The requested points, those that decide the targets (N=32768, B=1) first, then by B, D, N.
+    """The requested points: those that decide the targets (N=32768, B=1) first, then the 1M-token point,
+    then the rest by B, D, N (ascending), pattern and implementation.
 
     >>> plan(parse_args(["--n", "8192", "32768", "--batch", "1", "2", "--head-dim", "64",
-    ...                  "--patterns", "longformer", "--impls", "triton"]))       # doctest: +NORMALIZE_WHITESPACE
-    [('triton', 'longformer', 64, 1, 32768), ('triton', 'longformer', 64, 1, 8192),
-     ('triton', 'longformer', 64, 2, 8192), ('triton', 'longformer', 64, 2, 32768)]
+    ...                  "--patterns", "longformer", "--impls", "triton", "sdpa"]))  # doctest: +NORMALIZE_WHITESPACE
+    [('triton', 'longformer', 64, 1, 32768), ('sdpa', 'longformer', 64, 1, 32768),
+     ('triton', 'longformer', 64, 1, 1048576),
+     ('triton', 'longformer', 64, 1, 8192), ('sdpa', 'longformer', 64, 1, 8192),
+     ('triton', 'longformer', 64, 2, 8192), ('sdpa', 'longformer', 64, 2, 8192),
+     ('triton', 'longformer', 64, 2, 32768), ('sdpa', 'longformer', 64, 2, 32768)]
     """
+    million = [(impl, *MILLION_POINT) for impl in args.impls if impl in SPARSE]
     if args.million:
-        return [(impl, *MILLION_POINT) for impl in args.impls if impl != "sdpa"]
-    points = [(impl, pattern, head_dim, batch, n) for batch in args.batch for head_dim in args.head_dim
-              for n in args.n for pattern in args.patterns for impl in args.impls]
-    return sorted(points, key=lambda point: point[3:] != (1, TARGET_N))     # stable: the rest keep their order
+        return million
+    if args.no_million or MILLION_POINT[0] not in args.patterns:
+        million = []
+    grid = [(impl, pattern, head_dim, batch, n) for batch in args.batch for head_dim in args.head_dim
+            for n in args.n for pattern in args.patterns for impl in args.impls]
+
+    def order(point):
+        impl, pattern, head_dim, batch, n = point
+        return batch, head_dim, n, list(PATTERNS).index(pattern), IMPLEMENTATIONS.index(impl)
+    targets = sorted((p for p in grid if p[3:] == (1, TARGET_N)), key=order)
+    rest = sorted((p for p in grid if p[3:] != (1, TARGET_N)), key=order)
+    return list(dict.fromkeys(targets + million + rest))                    # --n 1048576 would repeat it
 
 
 def load_rows(path: Path, meta: dict | None) -> list[dict]:
@@ -235,18 +323,21 @@ def load_rows(path: Path, meta: dict | None) -> list[dict]:
     return record["rows"]
 
 
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (a run killed while writing keeps the previous file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _no_figure(record: dict, path: Path) -> None:
+    """Between points the figure is left as it is (drawing the whole plan's takes 1.6 s on a 2-core CPU)."""
 
 
-def write(out: Path, meta: dict, rows: list[dict], pending: list[tuple]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def write(out: Path, meta: dict, rows: list[dict], pending: list[tuple], plot: bool = False) -> None:
+    """``gpu_kernels.json`` and ``.md`` in ``out`` (and ``.png`` with ``plot``), each replaced whole: written
+    beside, then moved in, so a run killed while writing keeps the previous file."""
     record = {"meta": meta, "rows": rows, "not_measured": [dict(zip(KEY, point)) for point in pending]}
-    _replace(out / "gpu_kernels.json", json.dumps(record, indent=1) + "\n")
-    _replace(out / "gpu_kernels.md", to_markdown(rows, meta, len(pending)))
+    staging = out / f".{STEM}.partial"
+    shutil.rmtree(staging, ignore_errors=True)                               # left by a kill while writing
+    write_results(staging, STEM, record, lambda r: to_markdown(r["rows"], r["meta"], len(r["not_measured"])),
+                  figure if plot else _no_figure)
+    for written in staging.iterdir():
+        os.replace(written, out / written.name)
+    staging.rmdir()
 
 
 def _footnote(row: dict, errors: list[str]) -> str:
@@ -268,10 +359,34 @@ def _ratio(numerator: dict | None, denominator: dict | None, key_n: str, key_d: 
     return format(numerator[key_n] / denominator[key_d], spec)
 
 
-def _million_lines(index: dict, errors: list[str]) -> list[str]:
+def fastest(rows: list[dict | None], key: str) -> dict | None:
+    """The row with the smallest ``row[key]`` among those that have it (None: not measured).
+
+    >>> fastest([None, {"fwd_ms": 2.0}, {"fwd_ms": 1.5}, {"error": "out of memory"}], "fwd_ms")
+    {'fwd_ms': 1.5}
+    """
+    return min((r for r in rows if r is not None and key in r), key=lambda r: r[key], default=None)
+
+
+def _flex_cell(flex: list[dict | None], best: dict | None, key: str, spec: str, errors: list[str],
+               block: bool = False) -> str:
+    """The fastest flex block's ``best[key]`` (with its block: ``1.50 (128)``); else the flex rows' error
+    footnotes (``E1,E2``); — if no flex row is there."""
+    if best is not None and key in best:
+        return format(best[key], spec) + (f" ({FLEX_BLOCKS[best['impl']]})" if block else "")
+    notes = [_footnote(r, errors) for r in flex if r is not None and "error" in r]
+    return ",".join(dict.fromkeys(notes)) or "—"
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB"
+
+
+def _million_lines(index: dict, errors: list[str], meta: dict) -> list[str]:
     """The 1M-token target, one line per implementation measured there."""
     lines = []
-    for impl in IMPLEMENTATIONS:
+    capacity = meta.get("gpu_memory_gib")
+    for impl in SPARSE:
         row = index.get((impl, *MILLION_POINT))
         if row is None:
             continue
@@ -279,61 +394,121 @@ def _million_lines(index: dict, errors: list[str]) -> list[str]:
             lines.append(f"- {impl}: {_footnote(row, errors)} ({row['error']})" if "error" in row
                          else f"- {impl}: no memory measured")
             continue
-        peak_gb, reserved_gb = (row[key] * 2**20 / 1e9 for key in ("fwd_bwd_total_peak_mb", "fwd_bwd_reserved_peak_mb"))
+        fits = "fits" if row["fwd_bwd_total_peak_mb"] <= capacity * 1024 else "does not fit"
         lines.append(f"- {impl}: forward {row['fwd_ms']:.1f} ms, forward+backward {row['fwd_bwd_ms']:.1f} ms; "
-                     f"forward+backward peak {peak_gb:.1f} GB allocated in all (inputs, gradients, layout included; "
-                     f"{reserved_gb:.1f} GB reserved by the allocator): "
-                     f"{'fits' if peak_gb <= 80 else 'does not fit'} in 80 GB")
+                     f"forward+backward peak {_gib(row['fwd_bwd_total_peak_mb'])} allocated in all (inputs, "
+                     f"gradients, layout included; {_gib(row['fwd_bwd_reserved_peak_mb'])} reserved by the "
+                     f"allocator): {fits} in the GPU's {capacity} GiB")
     if not lines:
         return []
-    return ["", f"1M tokens (target: a Longformer pattern at N = 1,048,576, H={HEADS}, D=64, bf16 fits in 80 GB "
-                "forward+backward):", "", *lines]
+    return ["", f"1M tokens (target: a Longformer pattern at N = 1,048,576, B=1, H={HEADS}, D=64, bf16 fits in the "
+                "GPU's memory forward+backward):", "", *lines]
+
+
+def _backend_line(rows: list[dict]) -> list[str]:
+    """Which kernels torch picked for masked SDPA, with how many points each."""
+    picked = [r["sdpa_backend"] for r in rows if "sdpa_backend" in r]
+    if not picked:
+        return []
+    counts = ", ".join(f"{name} ({picked.count(name)} points)" for name in dict.fromkeys(picked))
+    return ["", f"masked-sdpa ran torch's {counts}."]
 
 
 def to_markdown(rows: list[dict], meta: dict, pending: int = 0) -> str:
-    index = {_key(r): r for r in rows}
+    index = {point_of(r): r for r in rows}
     points = sorted({key[1:] for key in index}, key=lambda p: (list(PATTERNS).index(p[0]), *p[1:]))
     errors = list(dict.fromkeys(r["error"] for r in rows if "error" in r))  # distinct, first seen first
-    columns = ["pattern", "D", "B", "N", "density", "fwd ms triton / flex / sdpa", "f+b ms triton / flex / sdpa",
-               "TFLOP/s fwd triton / flex / sdpa", "TFLOP/s f+b triton / flex / sdpa", "fwd x flex", "f+b x flex",
-               "fwd % sdpa", "peak MiB f+b triton / flex / sdpa"]
+    columns = ["pattern", "D", "B", "N", "density", "fwd ms triton / flex (block) / sdpa / masked",
+               "f+b ms triton / flex (block) / sdpa / masked", "TFLOP/s fwd triton / flex / sdpa",
+               "TFLOP/s f+b triton / flex / sdpa", "fwd x flex", "f+b x flex", "f+b x masked", "fwd % sdpa",
+               "peak MiB f+b triton / flex / sdpa / masked"]
     lines = [f"# GPU kernels on {meta['device']}", "",
-             f"bf16, H={HEADS}, block {BLOCK}; torch {meta['torch']}, triton {meta['triton']}. Times are medians; "
-             "TFLOP/s count computed FLOPs (f+b = 3.5x forward); peak memory is above the inputs. "
-             "`x flex` = FlexAttention time / triton time (>= 1: triton as fast or faster); "
-             "`% sdpa` = triton forward TFLOP/s / dense flash SDPA forward TFLOP/s; "
+             f"bf16, H={HEADS}, triton block {BLOCK}; {meta['device']} ({meta['gpu_memory_gib']} GiB), driver "
+             f"{meta['driver']}, CUDA {meta['cuda']}; torch {meta['torch']}, triton {meta['triton']}. Times are "
+             "medians; TFLOP/s count computed FLOPs (f+b = 3.5x forward); peak memory is above the inputs (and the "
+             "mask, for masked). "
+             "flex = FlexAttention at its faster block (128 or 64, in brackets) for that pass; masked = dense SDPA "
+             "with the pattern's bool mask. `x flex` = FlexAttention time / triton time (>= 1: triton as fast or "
+             "faster), `x masked` likewise; `% sdpa` = triton forward TFLOP/s / dense flash SDPA forward TFLOP/s; "
              "`E<i>`: error i below; —: not measured.", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for point in points:
-        t, f, s = (index.get((impl, *point)) for impl in IMPLEMENTATIONS)
-        density = next((f"{r['density']:.2%}" for r in (t, f, s) if r is not None and "density" in r), "—")
-        triple = lambda key, spec: " / ".join(_cell(r, key, spec, errors) for r in (t, f, s))  # noqa: E731
-        cells = [*map(str, point), density, triple("fwd_ms", ".2f"),
-                 triple("fwd_bwd_ms", ".2f"), triple("fwd_tflops", ".0f"), triple("fwd_bwd_tflops", ".0f"),
-                 _ratio(f, t, "fwd_ms", "fwd_ms", ".2f"), _ratio(f, t, "fwd_bwd_ms", "fwd_bwd_ms", ".2f"),
-                 _ratio(t, s, "fwd_tflops", "fwd_tflops", ".0%"), triple("fwd_bwd_peak_mb", ".0f")]
-        lines.append("| " + " | ".join(cells) + " |")
+        t, s, m = (index.get((impl, *point)) for impl in ("triton", "sdpa", "masked-sdpa"))
+        flex = [index.get((impl, *point)) for impl in FLEX_BLOCKS]
+        f_fwd, f_bwd = fastest(flex, "fwd_ms"), fastest(flex, "fwd_bwd_ms")
+        density = next((f"{r['density']:.2%}" for r in (t, *flex, s, m) if r is not None and "density" in r), "—")
+
+        def cells(key, spec, best, dense=(s, m), block=False):
+            flex_cell = _flex_cell(flex, best, key, spec, errors, block)
+            return " / ".join([_cell(t, key, spec, errors), flex_cell, *(_cell(r, key, spec, errors) for r in dense)])
+        row = [*map(str, point), density, cells("fwd_ms", ".2f", f_fwd, block=True),
+               cells("fwd_bwd_ms", ".2f", f_bwd, block=True), cells("fwd_tflops", ".0f", f_fwd, dense=(s,)),
+               cells("fwd_bwd_tflops", ".0f", f_bwd, dense=(s,)),
+               _ratio(f_fwd, t, "fwd_ms", "fwd_ms", ".2f"), _ratio(f_bwd, t, "fwd_bwd_ms", "fwd_bwd_ms", ".2f"),
+               _ratio(m, t, "fwd_bwd_ms", "fwd_bwd_ms", ".1f"), _ratio(t, s, "fwd_tflops", "fwd_tflops", ".0%"),
+               cells("fwd_bwd_peak_mb", ".0f", f_bwd)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += _backend_line(rows)
     if errors:
         lines += ["", "Errors:", "", *(f"- E{i}: {error}" for i, error in enumerate(errors, 1))]
-    lines += _million_lines(index, errors)
-    lines += ["", "Targets (issue 4): forward >= 1.0x FlexAttention, forward+backward >= 0.9x, triton TFLOP/s >= 60% "
-              "of dense flash SDPA's at N = 32K, peak memory O(N)."]
+    lines += _million_lines(index, errors, meta)
+    lines += ["", "Targets (issue 10), bf16, B=1, D = 64 and 128, at N = 32K: triton forward >= 1.0x FlexAttention "
+              "(its faster block), forward+backward >= 0.9x, triton TFLOP/s >= 60% of dense flash SDPA's; a "
+              "1M-token Longformer forward+backward (H=16, D=64) fits in the GPU's memory."]
     if pending:
         lines += ["", f"**Incomplete:** {pending} requested points not measured yet (time budget or a stop); "
                       "`--resume` measures them."]
     return "\n".join(lines) + "\n"
 
 
+def figure(record: dict, path: Path) -> None:
+    """Forward+backward time (top rows) and peak memory above the inputs (bottom rows) against N at B=1:
+    one column per pattern, one row per head_dim, one line per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["rows"] if r["batch"] == FIGURE_BATCH]
+    dims = sorted({r["head_dim"] for r in rows}) or [64]
+    quantities = (("fwd_bwd_ms", "f+b ms"), ("fwd_bwd_peak_mb", "f+b peak MiB above inputs"))
+    fig, axes = plt.subplots(len(quantities) * len(dims), len(PATTERNS), squeeze=False,
+                             figsize=(4.6 * len(PATTERNS), 3.4 * len(quantities) * len(dims)))
+    styles = dict(zip(IMPLEMENTATIONS, ("o-", "s--", "^--", "k:", "x-.")))
+    for q, (key, label) in enumerate(quantities):
+        for d, head_dim in enumerate(dims):
+            for p, pattern in enumerate(PATTERNS):
+                ax = axes[q * len(dims) + d, p]
+                for impl in IMPLEMENTATIONS:
+                    line = sorted((r["n"], r[key]) for r in rows if key in r
+                                  and (r["impl"], r["pattern"], r["head_dim"]) == (impl, pattern, head_dim))
+                    if line:
+                        ax.plot(*zip(*line), styles[impl], label=impl, markersize=4)
+                ax.set(xscale="log", yscale="log", xlabel="N", ylabel=label, title=f"{pattern}, D={head_dim}")
+                ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper right", fontsize=8)
+    meta = record["meta"]
+    fig.suptitle(f"{meta['device']}: bf16, B={FIGURE_BATCH}, H={HEADS}; torch {meta['torch']}, "
+                 f"triton {meta['triton']}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.92, 0.97))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--n", type=int, nargs="+", default=list(DEFAULT_N))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
-    parser.add_argument("--quick", action="store_true", help="N=8192, B=1, D=64 only (a smoke run)")
-    parser.add_argument("--million", action="store_true",
-                        help="only the 1M-token target: Longformer, B=1, D=64, N=1,048,576 (triton, flex)")
+    parser.add_argument("--quick", action="store_true", help="N=8192, B=1, D=64 only, no 1M point (a smoke run)")
+    million = parser.add_mutually_exclusive_group()
+    million.add_argument("--million", action="store_true",
+                         help="only the 1M-token target: Longformer, B=1, D=64, N=1,048,576 (triton, flex-128, flex-64)")
+    million.add_argument("--no-million", action="store_true", help="leave the 1M-token point out of the plan")
     parser.add_argument("--resume", action="store_true", help="keep the rows in --out and skip their points")
     parser.add_argument("--budget-s", type=float, default=500.0,
                         help="start no point after this many seconds (default 500: one 10-minute call)")
@@ -341,22 +516,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if args.quick:
-        args.n, args.batch, args.head_dim = [8192], [1], [64]
+        args.n, args.batch, args.head_dim, args.no_million = [8192], [1], [64], True
     return args
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version from ``nvidia-smi`` (the first GPU's), None where it cannot be read."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next(iter(smi.stdout.split()), None)
 
 
 def machine() -> dict:
     """The set-up the rows were measured on: ``--resume`` refuses rows from another."""
-    return {"device": torch.cuda.get_device_name(), **versions(("torch", "triton")),
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return {"device": torch.cuda.get_device_name(), "gpu_memory_gib": round(total / 2**30, 1),
+            "driver": nvidia_driver(), "cuda": torch.version.cuda, **versions(("torch", "triton")),
             "python": platform.python_version(), "dtype": str(DTYPE), "heads": HEADS, "block_size": BLOCK}
 
 
 def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     args = parse_args(argv)
-    json_path = args.out / "gpu_kernels.json"
+    json_path = args.out / f"{STEM}.json"
     if args.list:
-        done = {_key(r) for r in (load_rows(json_path, None) if args.resume else [])}
+        done = {point_of(r) for r in (load_rows(json_path, None) if args.resume else [])}
         for point in plan(args):
             if point not in done:
                 print(*point)
@@ -368,14 +555,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_rows(json_path, meta) if args.resume else []
     if json_path.exists() and not args.resume:
         print(f"replacing {json_path} (--resume would keep its rows)")
-    done = {_key(r) for r in rows}
+    done = {point_of(r) for r in rows}
     todo = [point for point in plan(args) if point not in done]
     print(f"{len(todo)} points to measure, {len(rows)} rows kept; no point starts after {args.budget_s:.0f} s",
           flush=True)
-    save = lambda rows, pending: write(args.out, meta, rows, pending)  # noqa: E731
+    save = lambda rows, pending, plot=False: write(args.out, meta, rows, pending, plot)  # noqa: E731
     left, why = run(todo, rows, measure, save, start + args.budget_s, cuda_usable)
-    save(rows, left)
-    print(f"wrote {json_path} and {args.out / 'gpu_kernels.md'}")
+    save(rows, left, plot=True)
+    print(f"wrote {json_path}, {STEM}.md and {STEM}.png in {args.out}")
     if left:
         print(f"not measured ({why}): {len(left)} points, rerun with --resume to measure them:")
         for point in left:
