@@ -1,5 +1,7 @@
 """sparse_attn.nn.SparseSelfAttention: against dense masked softmax, nn.MultiheadAttention and Hugging
-Face's LongformerSelfAttention (weights copied, outputs and input gradients at atol 1e-5 in fp32)."""
+Face's LongformerSelfAttention (weights copied, outputs and input gradients at atol 1e-5 in fp32); backend
+triton in float16 and bfloat16 (CUDA; float16 only in Triton's interpreter on CPU) against the float64
+layer by DESIGN's tolerance rule."""
 
 import einops
 import pytest
@@ -9,15 +11,16 @@ from torch import nn
 import sparse_attn as sa
 from sparse_attn import backends
 from sparse_attn.nn import SparseSelfAttention
+from tests.tolerance import assert_within_rule
 
 # The Numba backend where it can run (numba and scipy BLAS present), else the oracle.
 BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 E, H = 32, 4
 
 
-def _inputs(batch=3, n=64, seed=0):
+def _inputs(batch=3, n=64, seed=0, embed_dim=E):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, n, E, generator=gen)                                 # (B, N, E)
+    x = torch.randn(batch, n, embed_dim, generator=gen)                         # (B, N, E)
     lengths = torch.tensor([n, n - 14, n // 2 + 5])[:batch]
     padding = torch.arange(n) >= lengths[:, None]                               # (B, N)
     return x, padding
@@ -31,9 +34,9 @@ def _dense_reference(layer: SparseSelfAttention, x, padding=None, causal=False):
     v = layer.v_proj(x).unflatten(-1, (layer.num_kv_heads, -1)).transpose(1, 2)
     groups = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)       # (B, H, N, D)
-    allowed = layer.pattern.mask(n, heads=layer.num_heads)[None]                # (1, H, N, N)
+    allowed = layer.pattern.mask(n, heads=layer.num_heads)[None].to(x.device)   # (1, H, N, N)
     if causal:
-        allowed = allowed & sa.Causal().mask(n)[None]
+        allowed = allowed & sa.Causal().mask(n)[None].to(x.device)
     if padding is not None:
         allowed = allowed & ~padding[:, None, None, :]
     scores = (q @ k.transpose(-1, -2)) / layer.head_dim ** 0.5
@@ -217,7 +220,7 @@ def test_half_precision_on_gpu(dtype):
     torch.manual_seed(0)
     layer = SparseSelfAttention(E, H, sa.Local(8) | sa.Global(first=1), global_projections=True).cuda()
     x, padding = _inputs(n=256)
-    x, padding = x.cuda(), padding.cuda()
+    x, padding = x.cuda().requires_grad_(), padding.cuda()
     is_global = torch.zeros_like(padding)
     is_global[:, 0] = True
     expected = layer(x, key_padding_mask=padding, global_mask=is_global)        # fp32
@@ -226,6 +229,61 @@ def test_half_precision_on_gpu(dtype):
     out.float().sum().backward()
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    assert torch.isfinite(x.grad).all() and (x.grad[padding] == 0).all()
+    for name, parameter in layer.named_parameters():
+        assert torch.isfinite(parameter.grad).all(), name
+
+
+HALF_FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # tests/test_triton_backend.py's FLOORS
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+CUDA_ONLY = pytest.mark.skipif(not ON_CUDA, reason="Triton's interpreter has no bfloat16; on CPU the float16 cast "
+                                                   "case runs the same path")
+
+
+def _out_and_grads(forward, layer, x, loss_weights, autocast_dtype=None) -> dict:
+    """``forward(x)``'s output and the gradients of x and of ``layer``'s parameters for the loss
+    ``sum(out * loss_weights)``, under autocast to ``autocast_dtype`` when given."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)                                           # earlier grads stay intact
+    with torch.autocast(x.device.type, dtype=autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
+        out = forward(x)
+    (out.double() * loss_weights).sum().backward()
+    return {"out": out, "x.grad": x.grad, **{f"{name}.grad": p.grad for name, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("dtype, autocast", [
+    (torch.float16, False), pytest.param(torch.float16, True, marks=CUDA_ONLY),
+    pytest.param(torch.bfloat16, False, marks=CUDA_ONLY), pytest.param(torch.bfloat16, True, marks=CUDA_ONLY),
+], ids=["fp16-cast", "fp16-autocast", "bf16-cast", "bf16-autocast"])
+def test_triton_half_precision_within_the_tolerance_rule(dtype, autocast):
+    """The layer on backend triton (what "auto" picks on CUDA) in ``dtype`` (cast to it, or float32 weights
+    under autocast) against the same layer in float64 on the reference backend: out and the gradients of
+    x and of every weight within DESIGN's tolerance rule, torch's error being _dense_reference's in the
+    same precision; padded positions get exactly zero x gradient. CPU: Triton's interpreter, smaller."""
+    usable, reason = backends.availability("triton")
+    if not usable:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    embed_dim, n = (256, 1000) if ON_CUDA else (64, 100)                        # N % 64 != 0
+    pattern = sa.Local(64) | sa.Global(first=2)
+    layer = SparseSelfAttention(embed_dim, H, pattern, num_kv_heads=2, backend="auto" if ON_CUDA else "triton")
+    layer = layer.to(DEVICE, torch.float32 if autocast else dtype)
+    oracle = SparseSelfAttention(embed_dim, H, pattern, num_kv_heads=2, backend="reference").to(DEVICE, torch.float64)
+    oracle.load_state_dict(layer.state_dict())                                  # exact: every value fits float64
+    x, padding = _inputs(n=n, embed_dim=embed_dim)
+    x, padding = x.to(DEVICE, layer.q_proj.weight.dtype), padding.to(DEVICE)
+    assert backends.choose(layer.backend, x.device) == "triton"
+    loss_weights = torch.randn(x.shape, dtype=torch.float64, device=DEVICE)
+    autocast_dtype = dtype if autocast else None
+    got = _out_and_grads(lambda x: layer(x, key_padding_mask=padding), layer, x, loss_weights, autocast_dtype)
+    baseline = _out_and_grads(lambda x: _dense_reference(layer, x, padding), layer, x, loss_weights, autocast_dtype)
+    expected = _out_and_grads(lambda x: oracle(x, key_padding_mask=padding), oracle, x.double(), loss_weights)
+    assert got["out"].dtype == dtype
+    # k_proj.bias's exact gradient is 0 (softmax ignores a shift shared by a row's scores): rounding noise only
+    for name in sorted(set(expected) - {"k_proj.bias.grad"}):
+        assert_within_rule(name, got[name], expected[name], baseline[name], HALF_FLOORS[dtype])
+    assert (got["x.grad"][padding] == 0).all()
 
 
 def test_default_backend_is_auto():

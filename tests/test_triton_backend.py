@@ -1,13 +1,16 @@
 """backend="triton" against the float64 reference: values, lse and gradients on the awkward cases.
 
 Without a GPU the same kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set
-by tests/conftest.py before anything imports Triton), so shapes stay tiny; with CUDA the tests run
-on the GPU.
+by tests/conftest.py before anything imports Triton), so shapes stay tiny and float32/float16 only;
+with CUDA the tests run on the GPU, every case also in float16 and bfloat16, plus the workloads users
+run (N = 4096 and 4000, head_dim 64 and 128, blocks 64 and 128: Longformer, BigBird, causal sliding
+window) against one float64 reference per workload.
 """
 import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -24,8 +27,10 @@ ON_CUDA = DEVICE == "cuda"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLOORS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not ON_CUDA, reason="Triton's interpreter computes tl.dot on bfloat16 wrongly (numpy has no bfloat16)"))]
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+NO_BF16_REASON = "Triton's interpreter computes tl.dot on bfloat16 wrongly (numpy has no bfloat16)"
+HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not ON_CUDA, reason=NO_BF16_REASON))]
+CASE_DTYPES = list(FLOORS) if ON_CUDA else [torch.float32]   # the interpreter's time goes to float32 on CPU
 
 
 def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, seed=0):
@@ -65,20 +70,34 @@ def check_against_reference(q, k, v, layout, grad_lse=False):
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(DEVICE)
     lse_grad = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64).to(DEVICE) if grad_lse else None
-    out, lse, *grads = run(q, k, v, layout, "triton", grad_out, lse_grad)
-    ref_out, ref_lse, *ref_grads = run(q.double(), k.double(), v.double(), layout, "reference", grad_out, lse_grad)
-    base_out, base_lse, *base_grads = torch_baseline(q, k, v, layout, grad_out)
-    if grad_lse:  # the dense baseline has no lse term: compare with the reference in q's dtype instead
-        _, _, *base_grads = run(q, k, v, layout, "reference", grad_out, lse_grad)
-    floor = FLOORS[q.dtype]
-    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    got = run(q, k, v, layout, "triton", grad_out, lse_grad)
+    oracle = run(q.double(), k.double(), v.double(), layout, "reference", grad_out, lse_grad)
+    baseline = torch_baseline(q, k, v, layout, grad_out)
+    if grad_lse:  # the dense baseline has no lse term: compare the gradients with the reference in q's dtype
+        baseline = baseline[:2] + run(q, k, v, layout, "reference", grad_out, lse_grad)[2:]
+    assert_matches_oracle(got, oracle, baseline)
+
+
+def assert_matches_oracle(got, oracle, baseline):
+    """(out, lse, dq, dk, dv) of the kernel within the tolerance rule of the float64 reference's (``oracle``),
+    ``baseline`` being torch's in the kernel's dtype; every element is finite where the reference's is.
+    Rows with no allowed key have out and dq exactly 0 and lse -inf; keys no row reads, dk and dv exactly 0."""
+    out, lse, *grads = got
+    ref_out, ref_lse, *ref_grads = oracle
+    base_out, base_lse, *base_grads = baseline
+    floor = FLOORS[out.dtype]
+    assert lse.dtype == torch.float32
     assert_within_rule("out", out, ref_out, base_out, floor)
     for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
-        assert grad.dtype == q.dtype and grad.shape == ref.shape
+        assert grad.dtype == out.dtype and grad.shape == ref.shape
         assert_within_rule(name, grad, ref, base, floor)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse: -inf rows differ"
     finite = torch.isfinite(ref_lse)
     assert_within_rule("lse", lse[finite], ref_lse[finite], base_lse[finite], floor)
+    dq, dk, dv = grads
+    assert (out[~finite] == 0).all() and (dq[~finite] == 0).all(), "rows with no key: out or dq is not 0"
+    unread = (ref_grads[2] == 0).all(-1)                         # (Bkv, Hkv, Nk): keys no row attends
+    assert (dk[unread] == 0).all() and (dv[unread] == 0).all(), "keys no row reads: dk or dv is not 0"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,10 +122,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("dtype", CASE_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_reference(name):
+def test_matches_reference(name, dtype):
     batch, q_heads, kv_heads, n_q, n_k, head_dim, pattern, kwargs = CASES[name]
-    q, k, v = make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim)
+    q, k, v = make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=dtype)
     layout = pattern.layout(n_q, n_k, heads=q_heads, **{"block_size": 16, **kwargs})
     check_against_reference(q, k, v, layout)
 
@@ -136,6 +156,95 @@ def test_half_precision(dtype):
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=dtype)
     check_against_reference(q, k, v, (sa.Local(20) | sa.Global(first=2)).layout(100, heads=2, block_size=16,
                                                                                  causal=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# The workloads users run: N = 4096 and 4000, B = 2, H = 4, against one float64 reference each
+# ------------------------------------------------------------------------------------------------
+class Workload(NamedTuple):
+    q_heads: int
+    kv_heads: int
+    kv_batch: int                 # 1: one k, v read by both examples (dk, dv summed over them)
+    n: int
+    head_dim: int
+    block_size: int
+    pattern: sa.Pattern
+    padding_from: tuple           # example b's keys from padding_from[b] on are padding
+    global_tokens: tuple          # example b's global tokens (the call-time global_mask)
+    dtypes: tuple
+
+
+ALL_DTYPES, HALF = tuple(FLOORS), (torch.float16, torch.bfloat16)
+LONGFORMER = sa.Local(256) | sa.Global(first=16)
+# float32 at one workload: its exact matmuls run on FMA units and are slow to JIT-compile (the 4 kernels
+# lowered for sm_90 on a 2-core Xeon, block 64: ~10 s at head_dim 64, ~26 s at 128; block 128: ~70 s and
+# ~290 s); CASES cover float32 at head_dim 128 and block 128 on small shapes
+WORKLOADS = {
+    # runs in the interpreter too: the same path at a size the CPU affords
+    "tiny-gqa-shared-kv": Workload(2, 1, 1, 70, 16, 16, sa.Local(8), (62, 40), ((30,), ()),
+                                   ALL_DTYPES if ON_CUDA else (torch.float32, torch.float16)),
+    "longformer": Workload(4, 4, 2, 4096, 64, 64, LONGFORMER, (4096, 3000), ((2048,), (100, 1500)), ALL_DTYPES),
+    "bigbird-gqa-ragged": Workload(4, 2, 2, 4000, 128, 64, sa.bigbird(block=64), (4000, 2600), ((), (999,)), HALF),
+    "longformer-gqa-block128": Workload(4, 2, 2, 4096, 128, 128, LONGFORMER, (4096, 3500), ((0, 777), (4000,)),
+                                        HALF),
+    "causal-sliding-shared-kv-ragged": Workload(4, 2, 1, 4000, 64, 128, sa.Local(1023, 0) & sa.Causal(),
+                                                (4000, 2500), ((), ()), HALF),   # example 1: rows >= 3523 see no key
+}
+
+
+def workload_params():
+    """(name, dtype) in workload order, so that each workload's float64 reference is computed once."""
+    params = []
+    for name, workload in WORKLOADS.items():
+        marks = [pytest.mark.skipif(not ON_CUDA and workload.n > 100, reason="N = 4000..4096 needs a GPU")]
+        params += [pytest.param(name, dtype, marks=marks, id=f"{name}-{DTYPE_IDS[dtype]}") for dtype in workload.dtypes]
+    return params
+
+
+def exact_in_every_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to values that bfloat16, float16 and float32 all hold exactly, so one float64
+    reference serves every dtype."""
+    return t.to(torch.bfloat16).to(torch.float16).double()
+
+
+def workload_inputs(name: str):
+    """q (2, Hq, N, D), k, v (kv_batch, Hkv, N, D) and grad_out like q, float64 on DEVICE; the layout."""
+    w = WORKLOADS[name]
+    gen = torch.Generator().manual_seed(0)
+    q_shape, kv_shape = (2, w.q_heads, w.n, w.head_dim), (w.kv_batch, w.kv_heads, w.n, w.head_dim)
+    q, k, v, grad_out = (exact_in_every_dtype(torch.randn(shape, generator=gen, dtype=torch.float64)).to(DEVICE)
+                         for shape in (q_shape, kv_shape, kv_shape, q_shape))
+    padding = torch.arange(w.n) >= torch.tensor(w.padding_from)[:, None]           # (2, N)
+    global_mask = torch.zeros(2, w.n, dtype=torch.bool)                            # (2, N)
+    for example, tokens in enumerate(w.global_tokens):
+        global_mask[example, list(tokens)] = True
+    layout = w.pattern.layout(w.n, heads=w.q_heads, block_size=w.block_size, key_padding_mask=padding,
+                              global_mask=global_mask).to(DEVICE)
+    return (q, k, v, layout), grad_out
+
+
+@pytest.fixture(scope="module")
+def workload_oracles():
+    """name -> (inputs, grad_out, float64 reference results): the workload under test, filled by its first
+    dtype (one workload at a time, to hold little GPU memory)."""
+    return {}
+
+
+@pytest.mark.parametrize("name, dtype", workload_params())
+def test_workload_matches_reference_and_is_deterministic(name, dtype, workload_oracles):
+    """out, lse, dq, dk, dv by the tolerance rule (finite where the reference is; rows with no key and keys
+    no row reads exactly 0), and two runs bitwise equal."""
+    if name not in workload_oracles:
+        workload_oracles.clear()
+        inputs, grad_out = workload_inputs(name)
+        workload_oracles[name] = inputs, grad_out, run(*inputs, "reference", grad_out)
+    (q, k, v, layout), grad_out, oracle = workload_oracles[name]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    got = run(q, k, v, layout, "triton", grad_out)
+    assert_matches_oracle(got, oracle, torch_baseline(q, k, v, layout, grad_out))
+    again = run(q, k, v, layout, "triton", grad_out)              # the backward has no atomics: bitwise equal
+    for field, first, second in zip(("out", "lse", "dq", "dk", "dv"), got, again):
+        assert torch.equal(first, second), f"{field} differs between two runs"
 
 
 # ------------------------------------------------------------------------------------------------
