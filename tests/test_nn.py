@@ -11,7 +11,7 @@ from torch import nn
 import sparse_attn as sa
 from sparse_attn import backends
 from sparse_attn.nn import SparseSelfAttention
-from tests.tolerance import assert_within_rule
+from tests.tolerance import FLOORS, assert_within_rule
 
 # The Numba backend where it can run (numba and scipy BLAS present), else the oracle.
 BACKEND = "numba" if backends.availability("numba")[0] else "reference"
@@ -234,7 +234,6 @@ def test_half_precision_on_gpu(dtype):
         assert torch.isfinite(parameter.grad).all(), name
 
 
-HALF_FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # tests/test_triton_backend.py's FLOORS
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
 CUDA_ONLY = pytest.mark.skipif(not ON_CUDA, reason="Triton's interpreter has no bfloat16; on CPU the float16 cast "
@@ -282,7 +281,7 @@ def test_triton_half_precision_within_the_tolerance_rule(dtype, autocast):
     assert got["out"].dtype == dtype
     # k_proj.bias's exact gradient is 0 (softmax ignores a shift shared by a row's scores): rounding noise only
     for name in sorted(set(expected) - {"k_proj.bias.grad"}):
-        assert_within_rule(name, got[name], expected[name], baseline[name], HALF_FLOORS[dtype])
+        assert_within_rule(name, got[name], expected[name], baseline[name], FLOORS[dtype])
     assert (got["x.grad"][padding] == 0).all()
 
 

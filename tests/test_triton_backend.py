@@ -20,13 +20,12 @@ pytest.importorskip("triton", reason='needs triton (its interpreter without a GP
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
 from sparse_attn.backends import triton_gpu  # noqa: E402
-from tests.tolerance import assert_within_rule  # noqa: E402
+from tests.tolerance import FLOORS, assert_within_rule  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_CUDA = DEVICE == "cuda"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FLOORS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 NO_BF16_REASON = "Triton's interpreter computes tl.dot on bfloat16 wrongly (numpy has no bfloat16)"
 HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not ON_CUDA, reason=NO_BF16_REASON))]

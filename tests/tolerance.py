@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+FLOORS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}  # the rule's floor per kernel dtype
+
 
 def assert_within_rule(name: str, actual: torch.Tensor, oracle: torch.Tensor, baseline: torch.Tensor,
                        floor: float = 1e-5) -> None:
