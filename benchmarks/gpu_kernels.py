@@ -58,12 +58,8 @@ to run without one.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import platform
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,7 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
-from sparse_attn.machine import versions, write_results  # noqa: E402
+from sparse_attn.machine import cuda_usable, error_text, gpu, resumed_rows, versions, write_results  # noqa: E402
 
 DEVICE = "cuda"
 HEADS = 16
@@ -247,19 +243,8 @@ def measure(impl: str, pattern_name: str, head_dim: int, batch: int, n: int) -> 
     except torch.cuda.OutOfMemoryError:
         row["error"] = "out of memory"
     except Exception as error:  # a peer failing at one point (e.g. a compile error) is a result, not a crash
-        row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        row["error"] = error_text(error)
     return row
-
-
-def cuda_usable() -> bool:
-    """Free the last point's memory; False if an error (an illegal memory access, say) left CUDA unusable."""
-    gc.collect()                                                             # autograd graphs, tracebacks
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.ones(1, device="cuda").item() == 1.0
-    except RuntimeError:
-        return False
 
 
 def run(todo: list[tuple], rows: list[dict], measure_point, save, deadline: float, usable,
@@ -309,35 +294,12 @@ def plan(args: argparse.Namespace) -> list[tuple]:
     return list(dict.fromkeys(targets + million + rest))                    # --n 1048576 would repeat it
 
 
-def load_rows(path: Path, meta: dict | None) -> list[dict]:
-    """The rows already measured at ``path`` ([] if none), refused if measured on another set-up than ``meta``
-    (None: any)."""
-    if not path.exists():
-        return []
-    record = json.loads(path.read_text())
-    differ = [f"{key}: {record['meta'].get(key)!r} there, {value!r} here" for key, value in (meta or {}).items()
-              if record["meta"].get(key) != value]
-    if differ:
-        sys.exit(f"--resume: {path} was measured on another set-up ({'; '.join(differ)}). Ratios from two set-ups "
-                 f"do not mix: drop --resume to start afresh, or give another --out.")
-    return record["rows"]
-
-
-def _no_figure(record: dict, path: Path) -> None:
-    """Between points the figure is left as it is (drawing the whole plan's takes 1.6 s on a 2-core CPU)."""
-
-
 def write(out: Path, meta: dict, rows: list[dict], pending: list[tuple], plot: bool = False) -> None:
-    """``gpu_kernels.json`` and ``.md`` in ``out`` (and ``.png`` with ``plot``), each replaced whole: written
-    beside, then moved in, so a run killed while writing keeps the previous file."""
+    """``gpu_kernels.json`` and ``.md`` in ``out`` (and ``.png`` with ``plot``: between points the figure is
+    left as it is, drawing the whole plan's takes 1.6 s on a 2-core CPU), each replaced whole."""
     record = {"meta": meta, "rows": rows, "not_measured": [dict(zip(KEY, point)) for point in pending]}
-    staging = out / f".{STEM}.partial"
-    shutil.rmtree(staging, ignore_errors=True)                               # left by a kill while writing
-    write_results(staging, STEM, record, lambda r: to_markdown(r["rows"], r["meta"], len(r["not_measured"])),
-                  figure if plot else _no_figure)
-    for written in staging.iterdir():
-        os.replace(written, out / written.name)
-    staging.rmdir()
+    write_results(out, STEM, record, lambda r: to_markdown(r["rows"], r["meta"], len(r["not_measured"])),
+                  figure if plot else None)
 
 
 def _footnote(row: dict, errors: list[str]) -> str:
@@ -520,21 +482,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def nvidia_driver() -> str | None:
-    """The NVIDIA driver's version from ``nvidia-smi`` (the first GPU's), None where it cannot be read."""
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return next(iter(smi.stdout.split()), None)
-
-
 def machine() -> dict:
     """The set-up the rows were measured on: ``--resume`` refuses rows from another."""
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return {"device": torch.cuda.get_device_name(), "gpu_memory_gib": round(total / 2**30, 1),
-            "driver": nvidia_driver(), "cuda": torch.version.cuda, **versions(("torch", "triton")),
+    card = gpu()                                  # the GPU's name goes under "device", this json's key for it
+    return {"device": card.pop("gpu"), **card, **versions(("torch", "triton")),
             "python": platform.python_version(), "dtype": str(DTYPE), "heads": HEADS, "block_size": BLOCK}
 
 
@@ -543,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     json_path = args.out / f"{STEM}.json"
     if args.list:
-        done = {point_of(r) for r in (load_rows(json_path, None) if args.resume else [])}
+        done = {point_of(r) for r in (resumed_rows(json_path, {}) if args.resume else [])}
         for point in plan(args):
             if point not in done:
                 print(*point)
@@ -552,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("benchmarks/gpu_kernels.py times CUDA kernels and needs a CUDA GPU; none is visible here "
                  "(torch.cuda.is_available() is False). Run it on a GPU machine.")
     meta = machine()
-    rows = load_rows(json_path, meta) if args.resume else []
+    rows = resumed_rows(json_path, meta) if args.resume else []
     if json_path.exists() and not args.resume:
         print(f"replacing {json_path} (--resume would keep its rows)")
     done = {point_of(r) for r in rows}

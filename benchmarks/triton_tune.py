@@ -43,10 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,7 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout 
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
 from sparse_attn.backends import triton_gpu  # noqa: E402
-from sparse_attn.machine import benchmark_header, load_average  # noqa: E402
+from sparse_attn.machine import (benchmark_header, cuda_usable, error_text, gpu, load_average,  # noqa: E402
+                                 resumed_rows, write_results)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ERROR_BOUNDS = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 1e-5}  # relative Frobenius error against the default setting
@@ -158,11 +156,6 @@ def relative_error(actual: tuple, reference: tuple) -> float:
                for a, r in zip(actual, reference))
 
 
-def describe(error: Exception) -> str:
-    """An error as a row records it: its type and the first line of its message."""
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
-
-
 def check_and_time(step: Callable, reference: tuple, bound: float, timer: Callable) -> dict:
     """{"rel_error", "ms"} if ``step``'s results agree with ``reference`` within ``bound``, else {"error", ...}."""
     try:
@@ -172,7 +165,7 @@ def check_and_time(step: Callable, reference: tuple, bound: float, timer: Callab
                     "error": f"wrong result: relative error {error:.2e} > {bound:g} against the default setting"}
         return {"rel_error": error, "ms": timer(step)}
     except Exception as failure:  # a setting that does not compile or launch is a result, not a crash
-        return {"error": describe(failure)}
+        return {"error": error_text(failure)}
 
 
 def group_rows(group: Group, settings: list, prepare_group: Callable, timer: Callable, done: set):
@@ -182,14 +175,14 @@ def group_rows(group: Group, settings: list, prepare_group: Callable, timer: Cal
     try:
         step, default = prepare_group(group)
     except Exception as failure:
-        yield {**head, "warps": None, "stages": None, "default": True, "error": describe(failure)}
+        yield {**head, "warps": None, "stages": None, "default": True, "error": error_text(failure)}
         return
     head |= {"warps": default[0], "stages": default[1], "default": True}
     try:
         reference = step()
         timed = {} if (*group, *default) in done else {"rel_error": 0.0, "ms": timer(step)}
     except Exception as failure:
-        yield {**head, "error": describe(failure)}
+        yield {**head, "error": error_text(failure)}
         return
     if timed:
         yield {**head, **timed}
@@ -243,17 +236,6 @@ def _until(deadline: float, clock: Callable, rows):
             yield next(rows)
         except StopIteration:
             return
-
-
-def cuda_usable() -> bool:
-    """Free the last config's memory; False if an error (an illegal memory access, say) left CUDA unusable."""
-    gc.collect()
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.ones(1, device="cuda").item() == 1.0
-    except RuntimeError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,50 +325,20 @@ def to_markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (a run killed while writing keeps the previous file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write(out: Path, meta: dict, rows: list[dict], pending: list[dict]) -> str:
-    """``triton_tune.json`` and ``triton_tune.md`` in ``out``; returns the markdown."""
-    record = {"meta": meta, "rows": rows, "not_measured": pending}
-    out.mkdir(parents=True, exist_ok=True)
-    _replace(out / "triton_tune.json", json.dumps(record, indent=1) + "\n")
-    text = to_markdown(record)
-    _replace(out / "triton_tune.md", text)
-    return text
+    """``triton_tune.json`` and ``triton_tune.md`` in ``out``, each replaced whole; returns the markdown."""
+    return write_results(out, "triton_tune", {"meta": meta, "rows": rows, "not_measured": pending}, to_markdown)
 
 
 def load_rows(path: Path, meta: dict) -> list[dict]:
     """The rows at ``path`` ([] if none), refused if measured on another GPU, versions or N than ``meta``."""
-    if not path.exists():
-        return []
-    record = json.loads(path.read_text())
-    differ = [f"{key}: {record['meta'].get(key)!r} there, {meta[key]!r} here" for key in RESUME_META
-              if record["meta"].get(key) != meta[key]]
-    if differ:
-        sys.exit(f"--resume: {path} was measured on another set-up ({'; '.join(differ)}); drop --resume to start "
-                 f"afresh, or give another --out.")
-    return record["rows"]
-
-
-def driver_version() -> str | None:
-    """The NVIDIA driver's version from ``nvidia-smi``, None where it cannot be run."""
-    try:
-        result = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
+    return resumed_rows(path, {key: meta[key] for key in RESUME_META})
 
 
 def machine(args: argparse.Namespace) -> dict:
-    properties = torch.cuda.get_device_properties(0)
-    return {**benchmark_header(("torch", "triton")), "gpu": properties.name, "driver": driver_version(),
-            "cuda": torch.version.cuda, "shared_memory_per_block": properties.shared_memory_per_block_optin,
+    """The set-up and the sweep the rows were measured on; ``--resume`` compares its ``RESUME_META``."""
+    shared_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    return {**benchmark_header(("torch", "triton")), **gpu(), "shared_memory_per_block": shared_memory,
             "batch": BATCH, "heads": HEADS, "n": args.n, "pattern": PATTERN_TEXT, "error_bounds": ERROR_BOUNDS,
             "command": " ".join(["python", *sys.argv])}
 

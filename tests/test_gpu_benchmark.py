@@ -3,7 +3,6 @@ refusals, and every implementation's measurement on CPU."""
 import doctest
 import importlib.util
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from torch.nn.attention import SDPBackend
 from torch.nn.attention.flex_attention import flex_attention
 
 import sparse_attn as sa
+from sparse_attn import machine
 
 # Triton runs on CPU tensors in its interpreter (tests/conftest.py), but it must be installed.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -190,12 +190,11 @@ def test_resume_keeps_rows_and_lists_only_what_is_left(tmp_path, capsys):
     assert record["not_measured"] == [row(*point) for point in pending]
     assert (tmp_path / "gpu_kernels.md").read_text() == gk.to_markdown(rows, META, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kernels.json", "gpu_kernels.md"]  # nothing half
-    assert gk.load_rows(tmp_path / "gpu_kernels.json", META) == rows
-    assert gk.load_rows(tmp_path / "missing.json", META) == []
+    assert gk.resumed_rows(tmp_path / "gpu_kernels.json", META) == rows
     with pytest.raises(SystemExit, match="device: 'NVIDIA H100 80GB HBM3' there, 'NVIDIA H200' here"):
-        gk.load_rows(tmp_path / "gpu_kernels.json", dict(META, device="NVIDIA H200"))
+        gk.resumed_rows(tmp_path / "gpu_kernels.json", dict(META, device="NVIDIA H200"))
     with pytest.raises(SystemExit, match="driver: '550.54.15' there, None here"):
-        gk.load_rows(tmp_path / "gpu_kernels.json", dict(META, driver=None))
+        gk.resumed_rows(tmp_path / "gpu_kernels.json", dict(META, driver=None))
     grid = ["--quick", "--patterns", "longformer", "--out", str(tmp_path)]
     gk.main(["--list", "--resume", *grid])                                   # error rows count as measured
     assert capsys.readouterr().out.splitlines() == [" ".join(map(str, point)) for point in pending]
@@ -205,26 +204,15 @@ def test_resume_keeps_rows_and_lists_only_what_is_left(tmp_path, capsys):
 
 def test_machine_records_gpu_memory_driver_and_cuda(monkeypatch):
     class Properties:
-        total_memory = 85_031_714_816                                        # an H100's 79.19 GiB
+        name, total_memory = "NVIDIA H100 80GB HBM3", 85_031_714_816          # an H100's 79.19 GiB
 
-    for name, value in {"get_device_name": lambda: "NVIDIA H100 80GB HBM3", "current_device": lambda: 0,
-                        "get_device_properties": lambda index: Properties()}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    meta = gk.machine()                                                       # no nvidia-smi here
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
+    monkeypatch.setattr(machine, "nvidia_driver", lambda: "550.54.15")
+    meta = gk.machine()
     assert (meta["device"], meta["gpu_memory_gib"], meta["driver"], meta["cuda"]) == (
-        "NVIDIA H100 80GB HBM3", 79.2, None, torch.version.cuda)
-    assert set(meta) == set(META)
-
-    def smi(command, **options):
-        assert command == ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        return subprocess.CompletedProcess(command, 0, stdout="550.54.15\n550.54.15\n", stderr="")
-    monkeypatch.setattr(subprocess, "run", smi)
-    assert gk.nvidia_driver() == "550.54.15"
-
-    def broken(command, **options):
-        raise subprocess.CalledProcessError(9, command)
-    monkeypatch.setattr(subprocess, "run", broken)
-    assert gk.nvidia_driver() is None
+        "NVIDIA H100 80GB HBM3", 79.2, "550.54.15", torch.version.cuda)
+    assert list(meta) == list(META)
 
 
 def test_run_stops_at_the_budget_and_saves_after_every_point():

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
 
+from sparse_attn import machine  # noqa: E402
 from sparse_attn.backends import triton_gpu  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_tune.py"
@@ -258,9 +259,23 @@ def test_write_then_resume_refuses_rows_of_another_gpu(tmp_path):
     text = tt.write(tmp_path, META, ROWS, [])
     assert (tmp_path / "triton_tune.md").read_text() == text
     assert tt.load_rows(tmp_path / "triton_tune.json", META) == ROWS
-    assert tt.load_rows(tmp_path / "missing.json", META) == []
+    assert tt.load_rows(tmp_path / "triton_tune.json", {**META, "driver": None}) == ROWS   # only RESUME_META must agree
     with pytest.raises(SystemExit, match="another set-up.*gpu: 'NVIDIA H100 80GB HBM3' there, 'NVIDIA A100' here"):
         tt.load_rows(tmp_path / "triton_tune.json", {**META, "gpu": "NVIDIA A100"})
+
+
+def test_machine_records_the_gpu_its_shared_memory_and_the_sweep(monkeypatch):
+    class Properties:
+        name, total_memory, shared_memory_per_block_optin = "NVIDIA H100 80GB HBM3", 85_031_714_816, H100
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Properties())
+    monkeypatch.setattr(machine, "nvidia_driver", lambda: "550.54.15")
+    meta = tt.machine(tt.parse_args(["--n", "4096"]))
+    assert {key: meta[key] for key in ("gpu", "gpu_memory_gib", "driver", "cuda", "shared_memory_per_block", "n")} == {
+        "gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2, "driver": "550.54.15", "cuda": torch.version.cuda,
+        "shared_memory_per_block": H100, "n": 4096}
+    assert set(tt.RESUME_META) <= set(meta) and meta["torch"] == torch.__version__
 
 
 def test_refuses_without_cuda(monkeypatch, tmp_path):
