@@ -79,6 +79,7 @@ def worker(rank: int, port: int, results) -> None:
         dist.all_reduce(errors, op=dist.ReduceOp.MAX)
         if rank == 0:
             results.put(errors.tolist())
+        dist.barrier()            # both ranks are done with gloo before either tears it down (else, at times: SIGABRT)
     finally:
         dist.destroy_process_group()
 
