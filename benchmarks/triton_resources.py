@@ -43,12 +43,14 @@ KERNELS = {"forward": triton_gpu._fwd_kernel, "preprocess": triton_gpu._bwd_prep
            "dk_dv": triton_gpu._bwd_kv_kernel, "dq": triton_gpu._bwd_q_kernel}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "tf32": torch.float32}  # float32 with torch.backends.cuda.matmul.allow_tf32 = True
-_FLOAT32_POINTERS = {"Lse", "DLse", "Delta", "Lse2"}
+_FLOAT32_POINTERS = {"Lse", "DLse", "Delta", "Lse2", "PieceOut", "PieceLse", "PieceDK", "PieceDV", "PieceDQ"}
 _DATA_POINTERS = {"Q", "K", "V", "Out", "DOut", "DQ", "DK", "DV"}
 
 
 def signature(kernel, constants: dict, dtype: str) -> ASTSource:
-    """The kernel as a launch specialises it: pointers and sizes 16-byte divisible, head_dim strides 1."""
+    """The kernel as a launch specialises it: pointers and sizes 16-byte divisible, head_dim strides 1, and the
+    other strides of contiguous (B, H, N, D) inputs divisible by 16 where D is (what makes K/V loads 16 bytes
+    wide and lets the key-block loops copy them asynchronously)."""
     types, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants or name.startswith("stride_") and name.endswith("d"):
@@ -58,7 +60,8 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
         types[name] = ("*fp32" if name in _FLOAT32_POINTERS else f"*{data}" if name in _DATA_POINTERS
                        else "*u8" if name == "Masks" else "*i32" if name[0].isupper()
                        else "fp32" if "scale" in name else "i32")
-        if types[name][0] == "*" or name.startswith("n_"):
+        strided = name.startswith("stride_") and constants.get("HEAD_DIM", 0) % 16 == 0
+        if types[name][0] == "*" or name.startswith("n_") or strided:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(kernel, types, constexprs, attrs)
 

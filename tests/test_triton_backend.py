@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason='needs triton (its interpreter without a GP
 
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
-from sparse_attn.backends import triton_gpu  # noqa: E402
+from sparse_attn.backends import triton_gpu, work_split  # noqa: E402
 from tests.tolerance import FLOORS, assert_within_rule  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,6 +155,54 @@ def test_half_precision(dtype):
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=dtype)
     check_against_reference(q, k, v, (sa.Local(20) | sa.Global(first=2)).layout(100, heads=2, block_size=16,
                                                                                  causal=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Long rows and columns cut into pieces (work_split), merged by a second kernel
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def pieces_of(monkeypatch):
+    """Cut every row and column of more than ``blocks`` blocks into pieces (the GPU does so only for rows
+    much longer than the pass's average, too few in the small cases an interpreter affords)."""
+    def cut(blocks):
+        monkeypatch.setattr(work_split, "MIN_PIECE_BLOCKS", blocks)
+        monkeypatch.setattr(triton_gpu, "_programs", lambda device: 1 << 30)
+    return cut
+
+
+@pytest.mark.parametrize("name, blocks", [("longformer-ragged-N", 1), ("per-head", 1), ("nq>nk-causal-empty-rows", 3),
+                                         ("gqa", 3), ("block32-d64", 3)])
+def test_pieces_match_reference(name, blocks, pieces_of):
+    pieces_of(blocks)
+    batch, q_heads, kv_heads, n_q, n_k, head_dim, pattern, kwargs = CASES[name]
+    q, k, v = make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim)
+    layout = pattern.layout(n_q, n_k, heads=q_heads, **{"block_size": 16, **kwargs})
+    check_against_reference(q, k, v, layout)
+
+
+def test_pieces_with_padding_shared_kv_and_lse_gradient(pieces_of):
+    """Per-example layouts (padding, globals), one k, v for both examples and a gradient through lse, with
+    pieces; two runs bitwise equal (pieces merge in a fixed order)."""
+    pieces_of(2)
+    q, k, v = make_qkv(2, 4, 2, 90, 90, 16)
+    k, v = k[:1], v[:1]
+    padding = torch.arange(90) >= torch.tensor([[90], [50]])
+    global_mask = torch.zeros(2, 90, dtype=torch.bool)
+    global_mask[0, 3] = global_mask[1, 40] = True
+    layout = (sa.Local(10) | sa.Global(first=1)).layout(90, heads=4, block_size=16, key_padding_mask=padding,
+                                                         global_mask=global_mask)
+    check_against_reference(q, k, v, layout, grad_lse=True)
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=DEVICE)
+    first, second = run(q, k, v, layout, "triton", grad_out), run(q, k, v, layout, "triton", grad_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_a_global_row_is_cut_and_short_rows_are_not():
+    layout = (sa.Local(64) | sa.Global(first=1)).layout(4096, heads=2).to(DEVICE)
+    plan = triton_gpu._plan((layout.full_ptr, layout.part_ptr), batch=1, heads=2, groups=1, columns=False)
+    assert plan.splits[:, 0].tolist() == [0] and plan.n_slots == plan.splits[0, 2] > 1   # query block 0 only
+    assert plan.items[:plan.n_slots, 0].tolist() == [0] * plan.n_slots                   # and it starts first
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,23 +12,29 @@ tile from ``layout.masks``, already False outside the sequence). Tiles are BLOCK
 BLOCK = ``layout.block_size`` (a sequence shorter than a block has smaller tiles, padded with False
 on the host); scores never leave on-chip memory, so memory is O(N), not O(N^2).
 
-Forward, one program per (query block, batch x head):
+Forward, one program per work item x (batch x head) (``work_split``: a query block's list of key
+blocks, or a piece of a long one), longest items first:
     for each key block c of the row (full blocks, then partial ones):
-        s   = (q @ k_c^T) * scale * log2(e)            # scores in log2 units, fp32 accumulation
+        s   = q @ k_c^T                                # fp32 accumulation
         s   = where(tile, s, -inf)                     # partial blocks only
-        m'  = max(m, rowmax(s));  p = exp2(s - m')     # online softmax (exp2 is cheaper than exp)
+        t   = scale * log2(e)                          # scores in log2 units: exp2 is cheaper than exp
+        m'  = max(m, t * rowmax(s));  p = exp2(t * s - m')   # online softmax, one FFMA a score
         l   = l * exp2(m - m') + rowsum(p)
         acc = acc * exp2(m - m') + p @ v_c
     out = acc / l;  lse = (m + log2(l)) * ln(2)        # natural-log lse, saved for the backward
-Rows with no allowed key keep m = -inf and l = 0: their output is 0 and their lse is -inf.
+Rows with no allowed key keep m = -inf and l = 0: their output is 0 and their lse is -inf. A row cut
+into pieces (the rows of global tokens, which hold every key block) has each piece write its (out, lse)
+to a float32 scratch slot; ``_merge_kernel`` combines them by log-sum-exp. The backward cuts rows (dQ)
+and key-block columns (dK/dV) the same way, and ``_sum_kernel`` adds the pieces' gradients, in a fixed
+order: no atomics anywhere.
 
 Backward (recomputes P from q, k and lse instead of storing it; no atomics, so deterministic):
 1. preprocess, per query block: ``delta = rowsum(dO * O) - dlse`` and ``lse2 = lse * log2(e)``,
    with +inf for empty rows so that their recomputed probabilities are exactly 0;
-2. dK/dV, one program per (key block, batch x kv head): walks the *transposed* index of every
+2. dK/dV, one program per (key block or piece of one, batch x kv head): walks the *transposed* index of every
    query head that reads this kv head (GQA), accumulating
    ``dV += P^T dO`` and ``dK += scale * dS^T Q`` with ``dS = P * (dO V^T - delta)``;
-3. dQ, one program per (query block, batch x head): walks the row index, ``dQ += scale * dS K``.
+3. dQ, one program per (query block or piece, batch x head): walks the row index, ``dQ += scale * dS K``.
 
 K and V of batch 1 (one K, V read by every example of q) are never copied: the forward and dQ kernels
 read them with batch stride 0. The dK/dV programs still run per (key block, example x kv head), into a
@@ -45,13 +51,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import BlockLayout
+from . import work_split
 
 BLOCK_SIZE = 64
 MAX_HEAD_DIM = 128
@@ -98,16 +107,16 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stri
     """One online-softmax step of a query block over key block ``col``; ``tile`` masks if MASKED."""
     keys = col * BLOCK + tl.arange(0, BLOCK)
     k = _load_tile(k_base, keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                  # (BLOCK_M, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                             # (BLOCK_M, BLOCK_N) unscaled
     if MASKED:
         s = tl.where(tile, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))                                              # (BLOCK_M,)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)                                   # (BLOCK_M,) log2 units
     if MASKED:  # a row with nothing allowed yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
-    p = tl.exp2(s - m_shift[:, None])
+    p = tl.exp2(s * qk_scale - m_shift[:, None])                                       # one FFMA a score
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_base, keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -115,20 +124,42 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stri
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, Lse,
+def _work_item(Items, fanout, head_fanout):
+    """This program's work item (see ``work_split``): (block, start, end, slot, b, h), its example and head
+    being the item's plus the program's place ``f`` in the broadcast over examples and heads."""
+    pid = tl.program_id(0)
+    item = Items + (pid // fanout) * 6
+    f = pid % fanout
+    return (tl.load(item), tl.load(item + 1), tl.load(item + 2), tl.load(item + 3),
+            tl.load(item + 4) + f // head_fanout, tl.load(item + 5) + f % head_fanout, f)
+
+
+@triton.jit
+def _piece(FullPtr, PartPtr, ptr, start, end):
+    """Entries [start, end) of a row's list (its full blocks, then its partial ones) as ranges of the full
+    and the partial index, and the list's length; start and end are clipped to the list."""
+    full_lo = tl.load(FullPtr + ptr)
+    n_full = tl.load(FullPtr + ptr + 1) - full_lo
+    part_lo = tl.load(PartPtr + ptr)
+    total = n_full + tl.load(PartPtr + ptr + 1) - part_lo
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.maximum(end, 0), total)
+    return (full_lo + tl.minimum(start, n_full), full_lo + tl.minimum(end, n_full),
+            part_lo + tl.maximum(start - n_full, 0), part_lo + tl.maximum(end - n_full, 0), total)
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, Lse, PieceOut, PieceLse, Items,
                 FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ob, stride_oh, stride_on, stride_od,
                 stride_pb, stride_ph,
-                qk_scale, n_q, n_k, heads, groups,
+                qk_scale, n_q, n_k, heads, groups, fanout, head_fanout,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                 EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    row, start, end, slot, b, h, f = _work_item(Items, fanout, head_fanout)
     kvh = h // groups
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
@@ -140,10 +171,10 @@ def _fwd_kernel(Q, K, V, Out, Lse,
     m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK,), tl.float32)
     acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
-    ptr = b * stride_pb + h * stride_ph + row
+    full_lo, full_hi, part_lo, part_hi, _ = _piece(FullPtr, PartPtr, b * stride_pb + h * stride_ph + row, start, end)
     # Full blocks: no mask, except the sequence end when n_k is not a multiple of BLOCK.
     in_keys = (tl.arange(0, BLOCK) < BLOCK)[None, :]
-    for i in range(tl.load(FullPtr + ptr), tl.load(FullPtr + ptr + 1)):
+    for i in range(full_lo, full_hi):
         col = tl.load(FullIdx + i)
         if not EVEN_K:
             in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
@@ -151,20 +182,81 @@ def _fwd_kernel(Q, K, V, Out, Lse,
                                    stride_vd, n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K,
                                    not EVEN_K, PRECISION)
     # Partial blocks: the exact token tile.
-    for i in range(tl.load(PartPtr + ptr), tl.load(PartPtr + ptr + 1)):
+    for i in range(part_lo, part_hi):
         col = tl.load(PartIdx + i)
         tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn,
                                    stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
 
-    empty = l_i == 0.0                                                    # rows with no allowed key
+    empty = l_i == 0.0                                                    # rows with no allowed key (so far)
     l_i = tl.where(empty, 1.0, l_i)
     out = acc / l_i[:, None]                                              # (BLOCK_M, BLOCK_D)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_i)) / _LOG2E)
-    o_ptrs = _matrix(Out, b, h, stride_ob, stride_oh) + queries[:, None] * stride_on \
-        + dims[None, :] * stride_od
+    if slot < 0:                                                          # the whole row: the result
+        o_ptrs = _matrix(Out, b, h, stride_ob, stride_oh) + queries[:, None] * stride_on \
+            + dims[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
+        tl.store(Lse + (b * heads + h).to(tl.int64) * n_q + queries, lse, mask=queries < n_q)
+    else:                                                                 # a piece: merged by _merge_kernel
+        piece = (slot * fanout + f).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(PieceOut + piece[:, None] * BLOCK_D + dims[None, :], out)
+        tl.store(PieceLse + piece, lse)
+
+
+@triton.jit
+def _merge_kernel(PieceOut, PieceLse, Out, Lse, Splits,
+                  stride_ob, stride_oh, stride_on, stride_od,
+                  n_q, heads, fanout, head_fanout,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """The forward output of a split row from its pieces: out = sum_p w_p out_p / sum_p w_p, w_p = exp(lse_p - m)."""
+    pid = tl.program_id(0)
+    split = Splits + (pid // fanout) * 5
+    f = pid % fanout
+    row, first, count = tl.load(split), tl.load(split + 1), tl.load(split + 2)
+    b = tl.load(split + 3) + f // head_fanout
+    h = tl.load(split + 4) + f % head_fanout
+    offs = tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for s in range(first, first + count):
+        m = tl.maximum(m, tl.load(PieceLse + (s * fanout + f).to(tl.int64) * BLOCK + offs))
+    m = tl.where(m == float("-inf"), 0.0, m)                              # every piece empty: weights 0, not NaN
+    total = tl.zeros((BLOCK,), tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    for s in range(first, first + count):
+        piece = (s * fanout + f).to(tl.int64) * BLOCK + offs
+        weight = tl.exp(tl.load(PieceLse + piece) - m)                    # (BLOCK_M,)
+        total += weight
+        acc += weight[:, None] * tl.load(PieceOut + piece[:, None] * BLOCK_D + dims[None, :])
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
+    queries = row * BLOCK + offs
+    o_ptrs = _matrix(Out, b, h, stride_ob, stride_oh) + queries[:, None] * stride_on + dims[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
-    tl.store(Lse + bh.to(tl.int64) * n_q + queries, lse, mask=queries < n_q)
+    tl.store(Lse + (b * heads + h).to(tl.int64) * n_q + queries, lse, mask=queries < n_q)
+
+
+@triton.jit
+def _sum_kernel(Pieces, Out, Splits, scale, n, heads, fanout, head_fanout,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+    """A gradient block of a split row (dQ) or column (dK, dV): the sum of its pieces, in slot order, times
+    ``scale``, into the contiguous (B, H, n, HEAD_DIM) ``Out``."""
+    pid = tl.program_id(0)
+    split = Splits + (pid // fanout) * 5
+    f = pid % fanout
+    blk, first, count = tl.load(split), tl.load(split + 1), tl.load(split + 2)
+    b = tl.load(split + 3) + f // head_fanout
+    h = tl.load(split + 4) + f % head_fanout
+    offs = tl.arange(0, BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    for s in range(first, first + count):
+        piece = (s * fanout + f).to(tl.int64) * BLOCK + offs
+        acc += tl.load(Pieces + piece[:, None] * BLOCK_D + dims[None, :])
+    rows = blk * BLOCK + offs
+    out = (b * heads + h).to(tl.int64) * n * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(Out + out, (acc * scale).to(Out.dtype.element_ty), mask=(rows[:, None] < n) & (dims[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -216,20 +308,17 @@ def _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2, Delta, row, stride_qn, st
 
 
 @triton.jit
-def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV,
+def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV, PieceDK, PieceDV, Items,
                    FullTPtr, FullTIdx, PartTPtr, PartTIdx, PartTMask, Masks,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_db, stride_dh, stride_dn, stride_dd,
                    stride_pb, stride_ph,
-                   scale, qk_scale, n_q, n_k, heads, kv_heads, groups,
+                   scale, qk_scale, n_q, n_k, heads, kv_heads, groups, fanout, head_fanout,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                    EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    col = tl.program_id(0)
-    bkv = tl.program_id(1)
-    b = bkv // kv_heads
-    kvh = bkv % kv_heads
+    col, start, end, slot, b, kvh, f = _work_item(Items, fanout, head_fanout)
     keys = col * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
     k = _load_tile(_matrix(K, b, kvh, stride_kb, stride_kh), keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM,
@@ -239,26 +328,34 @@ def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV,
     dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK, BLOCK_D), tl.float32)
     no_mask = (tl.arange(0, BLOCK) < BLOCK)[:, None]
+    # The item's [start, end) counts along the query heads' lists one after the other (work_split.column_counts).
+    before = 0
     for g in range(groups):  # every query head that reads this kv head, in a fixed order
         h = kvh * groups + g
         q_base = _matrix(Q, b, h, stride_qb, stride_qh)
         do_base = _matrix(DOut, b, h, stride_db, stride_dh)
         stats = (b * heads + h).to(tl.int64) * n_q
-        ptr = b * stride_pb + h * stride_ph + col
-        for i in range(tl.load(FullTPtr + ptr), tl.load(FullTPtr + ptr + 1)):
+        full_lo, full_hi, part_lo, part_hi, total = _piece(FullTPtr, PartTPtr, b * stride_pb + h * stride_ph + col,
+                                                           start - before, end - before)
+        before += total
+        for i in range(full_lo, full_hi):
             dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(FullTIdx + i),
                                    stride_qn, stride_qd, stride_dn, stride_dd, n_q, no_mask, qk_scale, dims,
                                    HEAD_DIM, BLOCK, EVEN_Q, False, PRECISION)
-        for i in range(tl.load(PartTPtr + ptr), tl.load(PartTPtr + ptr + 1)):
+        for i in range(part_lo, part_hi):
             tile_t = _load_mask(Masks, tl.load(PartTMask + i), BLOCK, True)                  # (BLOCK_N, BLOCK_M)
             dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(PartTIdx + i),
                                    stride_qn, stride_qd, stride_dn, stride_dd, n_q, tile_t, qk_scale, dims,
                                    HEAD_DIM, BLOCK, EVEN_Q, True, PRECISION)
-    # dK/dV are contiguous (B, Hkv, Nk, D).
-    out = bkv.to(tl.int64) * n_k * HEAD_DIM + keys[:, None] * HEAD_DIM + dims[None, :]
-    inside = (keys[:, None] < n_k) & (dims[None, :] < HEAD_DIM)
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=inside)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=inside)
+    if slot < 0:  # the whole column; dK/dV are contiguous (B, Hkv, Nk, D)
+        out = (b * kv_heads + kvh).to(tl.int64) * n_k * HEAD_DIM + keys[:, None] * HEAD_DIM + dims[None, :]
+        inside = (keys[:, None] < n_k) & (dims[None, :] < HEAD_DIM)
+        tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=inside)
+        tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=inside)
+    else:         # a piece: summed by _sum_kernel
+        piece = ((slot * fanout + f).to(tl.int64) * BLOCK + tl.arange(0, BLOCK))[:, None] * BLOCK_D + dims[None, :]
+        tl.store(PieceDK + piece, dk)
+        tl.store(PieceDV + piece, dv)
 
 
 @triton.jit
@@ -279,20 +376,17 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_
 
 
 @triton.jit
-def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
+def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ, PieceDQ, Items,
                   FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   stride_db, stride_dh, stride_dn, stride_dd,
                   stride_pb, stride_ph,
-                  scale, qk_scale, n_q, n_k, heads, groups,
+                  scale, qk_scale, n_q, n_k, heads, groups, fanout, head_fanout,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
                   EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    row = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
+    row, start, end, slot, b, h, f = _work_item(Items, fanout, head_fanout)
     kvh = h // groups
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
@@ -300,28 +394,31 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ,
                    EVEN_Q)                                                                   # (BLOCK_M, BLOCK_D)
     do = _load_tile(_matrix(DOut, b, h, stride_db, stride_dh), queries, stride_dn, stride_dd, n_q, dims, HEAD_DIM,
                     EVEN_Q)
-    stats = bh.to(tl.int64) * n_q + queries
+    stats = (b * heads + h).to(tl.int64) * n_q + queries
     lse2 = tl.load(Lse2 + stats, mask=queries < n_q, other=float("inf"))
     delta = tl.load(Delta + stats, mask=queries < n_q, other=0.0)
     k_base = _matrix(K, b, kvh, stride_kb, stride_kh)
     v_base = _matrix(V, b, kvh, stride_vb, stride_vh)
     dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
-    ptr = b * stride_pb + h * stride_ph + row
+    full_lo, full_hi, part_lo, part_hi, _ = _piece(FullPtr, PartPtr, b * stride_pb + h * stride_ph + row, start, end)
     in_keys = (tl.arange(0, BLOCK) < BLOCK)[None, :]
-    for i in range(tl.load(FullPtr + ptr), tl.load(FullPtr + ptr + 1)):
+    for i in range(full_lo, full_hi):
         col = tl.load(FullIdx + i)
         if not EVEN_K:
             in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd,
                           n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, not EVEN_K, PRECISION)
-    for i in range(tl.load(PartPtr + ptr), tl.load(PartPtr + ptr + 1)):
+    for i in range(part_lo, part_hi):
         tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, tl.load(PartIdx + i), stride_kn, stride_kd,
                           stride_vn, stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
-    # dQ is contiguous (B, Hq, Nq, D).
-    out = bh.to(tl.int64) * n_q * HEAD_DIM + queries[:, None] * HEAD_DIM + dims[None, :]
-    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty),
-             mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
+    if slot < 0:  # the whole row; dQ is contiguous (B, Hq, Nq, D)
+        out = (b * heads + h).to(tl.int64) * n_q * HEAD_DIM + queries[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty),
+                 mask=(queries[:, None] < n_q) & (dims[None, :] < HEAD_DIM))
+    else:         # a piece: summed by _sum_kernel
+        piece = ((slot * fanout + f).to(tl.int64) * BLOCK + tl.arange(0, BLOCK))[:, None] * BLOCK_D + dims[None, :]
+        tl.store(PieceDQ + piece, dq)
 
 
 # Triton picks compiled or interpreted functions when each @triton.jit runs, with TRITON_INTERPRET as
@@ -371,8 +468,22 @@ def padded_head_dim(head_dim: int) -> int:
 # (pass, block, BLOCK_D, dtype) -> (num_warps, num_stages), pass "forward" or "backward" (the dK/dV and dQ
 # kernels share it; the preprocess kernel keeps PREPROCESS_LAUNCH). float32 entries were timed with exact
 # matmuls, so they do not apply while TF32 is allowed. A missing key uses the rule in launch_settings.
-# Empty: nothing has been measured on a GPU yet.
-LAUNCH_TABLE: dict[tuple[str, int, int, torch.dtype], tuple[int, int]] = {}
+# Measured on an H100 80GB HBM3 (benchmarks/results/triton_tune.md: bf16 at D 64 and 128, fp16 at D 64;
+# Longformer, N=32K): at D=128 the rule's 8 warps lose to 4 (forward 1.40x, backward 1.72x faster).
+LAUNCH_TABLE: dict[tuple[str, int, int, torch.dtype], tuple[int, int]] = {
+    ('forward', 64, 64, torch.bfloat16): (4, 4),
+    ('backward', 64, 64, torch.bfloat16): (4, 2),
+    ('forward', 128, 64, torch.bfloat16): (4, 4),
+    ('backward', 128, 64, torch.bfloat16): (8, 2),
+    ('forward', 64, 128, torch.bfloat16): (4, 3),
+    ('backward', 64, 128, torch.bfloat16): (4, 4),
+    ('forward', 128, 128, torch.bfloat16): (8, 3),
+    ('backward', 128, 128, torch.bfloat16): (8, 1),
+    ('forward', 64, 64, torch.float16): (4, 4),
+    ('backward', 64, 64, torch.float16): (4, 2),
+    ('forward', 128, 64, torch.float16): (4, 3),
+    ('backward', 128, 64, torch.float16): (4, 2),
+}
 
 
 def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backward: bool, block: int,
@@ -381,8 +492,8 @@ def launch_settings(head_dim: int, dtype: torch.dtype, shared_memory: int, backw
     tiles of ``dtype`` inputs whose matmuls run at ``precision`` (``dot_precision``), on a GPU whose blocks
     may use ``shared_memory`` bytes.
 
-    >>> launch_settings(64, torch.bfloat16, 227 * 1024, backward=False, block=64, precision="tf32")
-    {'num_warps': 4, 'num_stages': 3}
+    >>> launch_settings(64, torch.bfloat16, 227 * 1024, backward=True, block=64, precision="tf32")
+    {'num_warps': 4, 'num_stages': 2}
 
     The setting measured in ``LAUNCH_TABLE`` if there is one, else a rule chosen from the kernels lowered
     for sm_90 (``benchmarks/triton_resources.py``): 8 warps where 4 would spill registers (head_dim > 64;
@@ -429,6 +540,7 @@ def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
 
 
 PREPROCESS_LAUNCH = dict(num_warps=4, num_stages=1)   # one pass over a (BLOCK, D) tile: nothing to pipeline
+MERGE_LAUNCH = dict(num_warps=4, num_stages=1)        # the merge of split rows' pieces: a few tiles each
 
 
 def launch_for(q: torch.Tensor, block: int, backward: bool) -> dict:
@@ -436,17 +548,83 @@ def launch_for(q: torch.Tensor, block: int, backward: bool) -> dict:
     return launch_settings(q.shape[-1], q.dtype, _shared_memory(q.device), backward, block, dot_precision(q.dtype))
 
 
+class _Plan(NamedTuple):
+    """A pass's work items on the GPU (``work_split.WorkPlan``) and its broadcast ``fanout``."""
+    items: torch.Tensor       # (n_items, 6) int32
+    splits: torch.Tensor      # (n_split, 5) int32
+    n_slots: int
+    fanout: int               # programs per item: the examples and heads the layout shares
+    head_fanout: int          # heads among them (the innermost)
+
+
+_PLANS = WeakIdKeyDictionary()   # a layout's row pointers (full_ptr or full_t_ptr) -> {key: _Plan}
+
+
+def _plan(ptrs: tuple[torch.Tensor, torch.Tensor], batch: int, heads: int, groups: int, columns: bool) -> _Plan:
+    """The work plan of a pass over the rows of ``ptrs`` = (full_ptr, part_ptr), or with ``columns`` over the
+    key blocks of (full_t_ptr, part_t_ptr), for ``batch`` examples x ``heads`` heads (kv heads for columns,
+    each walking ``groups`` query heads). Built on the host once per layout and kept with it (the layout's
+    tensors are the key, so a layout reused across layers and steps pays once)."""
+    full_ptr, part_ptr = ptrs
+    plans = _PLANS.setdefault(full_ptr, {})
+    key = (batch, heads, groups, columns, work_split.MIN_PIECE_BLOCKS)
+    if key not in plans:
+        full, part = full_ptr.cpu().numpy(), part_ptr.cpu().numpy()
+        counts = work_split.column_counts(full, part, groups) if columns else work_split.row_counts(full, part)
+        head_fanout = heads if counts.shape[1] == 1 else 1
+        fanout = (batch if counts.shape[0] == 1 else 1) * head_fanout
+        plan = work_split.split_rows(counts, work_split.piece_length(counts, fanout, _programs(full_ptr.device)))
+        plans[key] = _Plan(torch.from_numpy(plan.items).to(full_ptr.device),
+                           torch.from_numpy(plan.splits).to(full_ptr.device), plan.n_slots, fanout, head_fanout)
+    return plans[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(device: torch.device) -> int:
+    """Programs that keep ``device`` busy: 8 a multiprocessor (the interpreter: a small GPU's worth)."""
+    if device.type != "cuda" or _INTERPRETED:
+        return 64
+    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _scratch(plan: _Plan, block: int, width: int, device: torch.device, count: int = 1) -> list[torch.Tensor]:
+    """``count`` float32 buffers of (slots, fanout, block, width) for the pieces of split rows (one element
+    when nothing is split: the kernels take a pointer either way)."""
+    shape = (plan.n_slots, plan.fanout, block, width) if plan.n_slots else (1,)
+    return [torch.empty(shape, dtype=torch.float32, device=device) for _ in range(count)]
+
+
+def _grid(plan: _Plan, rows: torch.Tensor) -> tuple[int]:
+    return (rows.shape[0] * plan.fanout,)
+
+
 def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
     full_ptr, full_idx, part_ptr, part_idx, part_mask, masks = index[:6]
     batch, heads, n_q, _ = q.shape
+    meta = _meta(q, k, block)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)                  # (B, Hq, Nq, D)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)   # (B, Hq, Nq)
-    grid = (triton.cdiv(n_q, block), batch * heads)
-    _fwd_kernel[grid](q, k, v, out, lse, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
-                      *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr),
-                      scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1],
-                      **launch_for(q, block, backward=False), **_meta(q, k, block))
+    plan = _plan((full_ptr, part_ptr), batch, heads, 1, columns=False)
+    piece_out, = _scratch(plan, block, meta["BLOCK_D"], q.device)               # (slots, fanout, BLOCK, BLOCK_D)
+    piece_lse, = _scratch(plan, block, 1, q.device)
+    _fwd_kernel[_grid(plan, plan.items)](
+        q, k, v, out, lse, piece_out, piece_lse, plan.items, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
+        *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr),
+        scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1], plan.fanout, plan.head_fanout,
+        **launch_for(q, block, backward=False), **meta)
+    if plan.n_slots:
+        _merge_kernel[_grid(plan, plan.splits)](piece_out, piece_lse, out, lse, plan.splits, *_strides(out), n_q,
+                                                heads, plan.fanout, plan.head_fanout, HEAD_DIM=meta["HEAD_DIM"],
+                                                BLOCK_D=meta["BLOCK_D"], BLOCK=block, **MERGE_LAUNCH)
     return out, lse
+
+
+def _sum_pieces(plan: _Plan, pieces: torch.Tensor, out: torch.Tensor, scale: float, block: int, meta: dict) -> None:
+    """Write the split blocks of the contiguous (B, H, n, D) gradient ``out`` from their pieces."""
+    if plan.n_slots:
+        _sum_kernel[_grid(plan, plan.splits)](pieces, out, plan.splits, scale, out.shape[2], out.shape[1],
+                                              plan.fanout, plan.head_fanout, HEAD_DIM=meta["HEAD_DIM"],
+                                              BLOCK_D=meta["BLOCK_D"], BLOCK=block, **MERGE_LAUNCH)
 
 
 def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: int, scale: float):
@@ -457,25 +635,31 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     meta, launch = _meta(q, k, block), launch_for(q, block, backward=True)
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq) fp32
     lse2 = torch.empty_like(lse)
-    q_grid = (triton.cdiv(n_q, block), batch * heads)
-    _bwd_preprocess_kernel[q_grid](out, dout, lse, dlse if dlse is not None else lse, delta, lse2,
-                                   *_strides(out), *_strides(dout), n_q, heads, dlse is not None,
-                                   HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block,
-                                   **PREPROCESS_LAUNCH)
+    _bwd_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
+        out, dout, lse, dlse if dlse is not None else lse, delta, lse2, *_strides(out), *_strides(dout), n_q, heads,
+        dlse is not None, HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=block, **PREPROCESS_LAUNCH)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)                   # (B, Hq, Nq, D)
     # dK/dV per query example: k, v of batch 1 get a float32 (B, Hkv, Nk, D) buffer each, summed below
     shared_kv = k.shape[0] < batch
     dk = torch.empty((batch, *k.shape[1:]), dtype=torch.float32 if shared_kv else k.dtype, device=k.device)
     dv = torch.empty_like(dk)                                                   # (B, Hkv, Nk, D)
     common = (*_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(dout))
-    _bwd_kv_kernel[(triton.cdiv(n_k, block), batch * kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks,
-        *common, *_layout_strides(full_t_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, kv_heads, heads // kv_heads,
-        **launch, **meta)
-    _bwd_q_kernel[q_grid](
-        q, k, v, dout, lse2, delta, dq, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
+    columns = _plan((full_t_ptr, part_t_ptr), batch, kv_heads, heads // kv_heads, columns=True)
+    piece_dk, piece_dv = _scratch(columns, block, meta["BLOCK_D"], q.device, count=2)
+    _bwd_kv_kernel[_grid(columns, columns.items)](
+        q, k, v, dout, lse2, delta, dk, dv, piece_dk, piece_dv, columns.items,
+        full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, *common, *_layout_strides(full_t_ptr),
+        scale, scale * _LOG2E.value, n_q, n_k, heads, kv_heads, heads // kv_heads, columns.fanout,
+        columns.head_fanout, **launch, **meta)
+    _sum_pieces(columns, piece_dk, dk, scale, block, meta)
+    _sum_pieces(columns, piece_dv, dv, 1.0, block, meta)
+    rows = _plan((full_ptr, part_ptr), batch, heads, 1, columns=False)
+    piece_dq, = _scratch(rows, block, meta["BLOCK_D"], q.device)
+    _bwd_q_kernel[_grid(rows, rows.items)](
+        q, k, v, dout, lse2, delta, dq, piece_dq, rows.items, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
         *common, *_layout_strides(full_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, heads // kv_heads,
-        **launch, **meta)
+        rows.fanout, rows.head_fanout, **launch, **meta)
+    _sum_pieces(rows, piece_dq, dq, scale, block, meta)
     if shared_kv:
         dk, dv = (d.sum(0, keepdim=True).to(k.dtype) for d in (dk, dv))         # (1, Hkv, Nk, D)
     return dq, dk, dv
