@@ -80,10 +80,13 @@ PATTERNS = {  # name: (pattern, causal SDPA baseline)
     "bigbird-itc": (sa.bigbird(block=64, window_blocks=3, global_blocks=2, random_blocks=3), False),
     "sliding-causal": (sa.Local(1023, 0) & sa.Causal(), True),
 }
+TRITON_BLOCKS = {"triton": 64, "triton-128": 128}  # implementation: the block of its layout
 FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64}  # implementation: the block of its layout and BlockMask
-FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}}  # block: forward kernel tiles that divide it
-IMPLEMENTATIONS = ("triton", *FLEX_BLOCKS, "sdpa", "masked-sdpa")
-SPARSE = ("triton", *FLEX_BLOCKS)  # those that skip blocks, the only ones at 1M tokens
+FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64,  # block: kernel tiles that divide it
+                   "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}}
+BLOCKS = TRITON_BLOCKS | FLEX_BLOCKS
+IMPLEMENTATIONS = (*TRITON_BLOCKS, *FLEX_BLOCKS, "sdpa", "masked-sdpa")
+SPARSE = (*TRITON_BLOCKS, *FLEX_BLOCKS)  # those that skip blocks, the only ones at 1M tokens
 KEY = ("impl", "pattern", "head_dim", "batch", "n")  # a point; a row is a point plus its results
 DEFAULT_N = [4096, 8192, 16384, 32768, 65536, 131072]
 TARGET_N = 32768
@@ -173,7 +176,7 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
     """A function computing the attention output with implementation ``impl`` on ``layout``'s pattern,
     and what to record of how it runs ({"sdpa_backend": ...} for masked SDPA, else {})."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if impl == "triton":
+    if impl in TRITON_BLOCKS:
         return (lambda: sparse_attention(q, k, v, layout, backend="triton")), {}
     if impl in FLEX_BLOCKS:
         block_mask = layout.to_block_mask()
@@ -202,7 +205,7 @@ def _fill(row: dict) -> None:
     """Measure ``row``'s point into it step by step: what was measured before an error stays."""
     pattern, causal = PATTERNS[row["pattern"]]
     impl, head_dim, batch, n = row["impl"], row["head_dim"], row["batch"], row["n"]
-    layout = pattern.layout(n, heads=HEADS, block_size=FLEX_BLOCKS.get(impl, BLOCK)).to(DEVICE)
+    layout = pattern.layout(n, heads=HEADS, block_size=BLOCKS.get(impl, BLOCK)).to(DEVICE)
     row["density"] = layout.density
     if impl == "sdpa":
         row["fwd_flops"] = 4 * batch * HEADS * n * n * head_dim // (2 if causal else 1)
@@ -330,13 +333,13 @@ def fastest(rows: list[dict | None], key: str) -> dict | None:
     return min((r for r in rows if r is not None and key in r), key=lambda r: r[key], default=None)
 
 
-def _flex_cell(flex: list[dict | None], best: dict | None, key: str, spec: str, errors: list[str],
+def _best_cell(family: list[dict | None], best: dict | None, key: str, spec: str, errors: list[str],
                block: bool = False) -> str:
-    """The fastest flex block's ``best[key]`` (with its block: ``1.50 (128)``); else the flex rows' error
-    footnotes (``E1,E2``); — if no flex row is there."""
+    """The fastest block's ``best[key]`` among one implementation's blocks (with its block: ``1.50 (128)``);
+    else the family's error footnotes (``E1,E2``); — if none of its rows is there."""
     if best is not None and key in best:
-        return format(best[key], spec) + (f" ({FLEX_BLOCKS[best['impl']]})" if block else "")
-    notes = [_footnote(r, errors) for r in flex if r is not None and "error" in r]
+        return format(best[key], spec) + (f" ({BLOCKS[best['impl']]})" if block else "")
+    notes = [_footnote(r, errors) for r in family if r is not None and "error" in r]
     return ",".join(dict.fromkeys(notes)) or "—"
 
 
@@ -380,43 +383,51 @@ def to_markdown(rows: list[dict], meta: dict, pending: int = 0) -> str:
     index = {point_of(r): r for r in rows}
     points = sorted({key[1:] for key in index}, key=lambda p: (list(PATTERNS).index(p[0]), *p[1:]))
     errors = list(dict.fromkeys(r["error"] for r in rows if "error" in r))  # distinct, first seen first
-    columns = ["pattern", "D", "B", "N", "density", "fwd ms triton / flex (block) / sdpa / masked",
-               "f+b ms triton / flex (block) / sdpa / masked", "TFLOP/s fwd triton / flex / sdpa",
+    columns = ["pattern", "D", "B", "N", "density", "fwd ms triton (block) / flex (block) / sdpa / masked",
+               "f+b ms triton (block) / flex (block) / sdpa / masked", "TFLOP/s fwd triton / flex / sdpa",
                "TFLOP/s f+b triton / flex / sdpa", "fwd x flex", "f+b x flex", "f+b x masked", "fwd % sdpa",
                "peak MiB f+b triton / flex / sdpa / masked"]
     lines = [f"# GPU kernels on {meta['device']}", "",
-             f"bf16, H={HEADS}, triton block {BLOCK}; {meta['device']} ({meta['gpu_memory_gib']} GiB), driver "
+             f"bf16, H={HEADS}; {meta['device']} ({meta['gpu_memory_gib']} GiB), driver "
              f"{meta['driver']}, CUDA {meta['cuda']}; torch {meta['torch']}, triton {meta['triton']}. Times are "
              "medians; TFLOP/s count computed FLOPs (f+b = 3.5x forward); peak memory is above the inputs (and the "
              "mask, for masked). "
-             "flex = FlexAttention at its faster block (128 or 64, in brackets) for that pass; masked = dense SDPA "
+             "triton and flex at their faster block (64 or 128, in brackets) for that pass; flex = FlexAttention, "
+             "compiled, its mask_mod the pattern's own predicate (`pattern.mask_mod`: arithmetic, as its users "
+             "write one), its block lists from the layout (`layout.to_block_mask()`); masked = dense SDPA "
              "with the pattern's bool mask. `x flex` = FlexAttention time / triton time (>= 1: triton as fast or "
              "faster), `x masked` likewise; `% sdpa` = triton forward TFLOP/s / dense flash SDPA forward TFLOP/s; "
              "`E<i>`: error i below; —: not measured.", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for point in points:
-        t, s, m = (index.get((impl, *point)) for impl in ("triton", "sdpa", "masked-sdpa"))
+        s, m = (index.get((impl, *point)) for impl in ("sdpa", "masked-sdpa"))
+        triton = [index.get((impl, *point)) for impl in TRITON_BLOCKS]
         flex = [index.get((impl, *point)) for impl in FLEX_BLOCKS]
+        t_fwd, t_bwd = fastest(triton, "fwd_ms"), fastest(triton, "fwd_bwd_ms")
         f_fwd, f_bwd = fastest(flex, "fwd_ms"), fastest(flex, "fwd_bwd_ms")
-        density = next((f"{r['density']:.2%}" for r in (t, *flex, s, m) if r is not None and "density" in r), "—")
+        density = next((f"{r['density']:.2%}" for r in (*triton, *flex, s, m) if r is not None and "density" in r),
+                       "—")
 
-        def cells(key, spec, best, dense=(s, m), block=False):
-            flex_cell = _flex_cell(flex, best, key, spec, errors, block)
-            return " / ".join([_cell(t, key, spec, errors), flex_cell, *(_cell(r, key, spec, errors) for r in dense)])
-        row = [*map(str, point), density, cells("fwd_ms", ".2f", f_fwd, block=True),
-               cells("fwd_bwd_ms", ".2f", f_bwd, block=True), cells("fwd_tflops", ".0f", f_fwd, dense=(s,)),
-               cells("fwd_bwd_tflops", ".0f", f_bwd, dense=(s,)),
-               _ratio(f_fwd, t, "fwd_ms", "fwd_ms", ".2f"), _ratio(f_bwd, t, "fwd_bwd_ms", "fwd_bwd_ms", ".2f"),
-               _ratio(m, t, "fwd_bwd_ms", "fwd_bwd_ms", ".1f"), _ratio(t, s, "fwd_tflops", "fwd_tflops", ".0%"),
-               cells("fwd_bwd_peak_mb", ".0f", f_bwd)]
+        def cells(key, spec, best_triton, best_flex, dense=(s, m), block=False):
+            return " / ".join([_best_cell(triton, best_triton, key, spec, errors, block),
+                               _best_cell(flex, best_flex, key, spec, errors, block),
+                               *(_cell(r, key, spec, errors) for r in dense)])
+        row = [*map(str, point), density, cells("fwd_ms", ".2f", t_fwd, f_fwd, block=True),
+               cells("fwd_bwd_ms", ".2f", t_bwd, f_bwd, block=True),
+               cells("fwd_tflops", ".0f", t_fwd, f_fwd, dense=(s,)),
+               cells("fwd_bwd_tflops", ".0f", t_bwd, f_bwd, dense=(s,)),
+               _ratio(f_fwd, t_fwd, "fwd_ms", "fwd_ms", ".2f"), _ratio(f_bwd, t_bwd, "fwd_bwd_ms", "fwd_bwd_ms", ".2f"),
+               _ratio(m, t_bwd, "fwd_bwd_ms", "fwd_bwd_ms", ".1f"), _ratio(t_fwd, s, "fwd_tflops", "fwd_tflops", ".0%"),
+               cells("fwd_bwd_peak_mb", ".0f", t_bwd, f_bwd)]
         lines.append("| " + " | ".join(row) + " |")
     lines += _backend_line(rows)
     if errors:
         lines += ["", "Errors:", "", *(f"- E{i}: {error}" for i, error in enumerate(errors, 1))]
     lines += _million_lines(index, errors, meta)
-    lines += ["", "Targets (issue 10), bf16, B=1, D = 64 and 128, at N = 32K: triton forward >= 1.0x FlexAttention "
-              "(its faster block), forward+backward >= 0.9x, triton TFLOP/s >= 60% of dense flash SDPA's; a "
-              "1M-token Longformer forward+backward (H=16, D=64) fits in the GPU's memory."]
+    lines += ["", "Targets (issue 25), bf16, B=1, D = 64 and 128, at N = 32K, against FlexAttention at its faster "
+              "block: Longformer and the causal sliding window forward >= 1.5x, forward+backward >= 1.2x; BigBird-ITC "
+              "forward >= 3x, forward+backward >= 2x; forward TFLOP/s on computed blocks >= 300 (sliding window) and "
+              ">= 200 (Longformer); a 1M-token Longformer forward+backward (H=16, D=64) fits and does not slow down."]
     if pending:
         lines += ["", f"**Incomplete:** {pending} requested points not measured yet (time budget or a stop); "
                       "`--resume` measures them."]
@@ -436,7 +447,7 @@ def figure(record: dict, path: Path) -> None:
     quantities = (("fwd_bwd_ms", "f+b ms"), ("fwd_bwd_peak_mb", "f+b peak MiB above inputs"))
     fig, axes = plt.subplots(len(quantities) * len(dims), len(PATTERNS), squeeze=False,
                              figsize=(4.6 * len(PATTERNS), 3.4 * len(quantities) * len(dims)))
-    styles = dict(zip(IMPLEMENTATIONS, ("o-", "s--", "^--", "k:", "x-.")))
+    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "k:", "x-.")))
     for q, (key, label) in enumerate(quantities):
         for d, head_dim in enumerate(dims):
             for p, pattern in enumerate(PATTERNS):

@@ -5,6 +5,8 @@
     python benchmarks/gpu_session.py tune      # <= 8 min: benchmarks/triton_tune.py --resume (launch settings)
     python benchmarks/gpu_session.py bench     # <= 8 min: benchmarks/gpu_kernels.py --resume (targets first)
     python benchmarks/gpu_session.py profile   # ~2 min: torch.profiler of triton and FlexAttention at N=32K
+    python benchmarks/gpu_session.py decode    # ~1 min: a SparseKVCache decode step against SDPA over the held keys
+    python benchmarks/gpu_session.py all       # <= 9 min: check, the targets, 1M, decode, tests, triton's profile
     python benchmarks/gpu_session.py tests --dry-run     # print the commands, run nothing (no GPU needed)
 
 Every stage writes into ``--out`` (default: ``$OUT``, the folder a GPU machine lent by the device tool
@@ -59,9 +61,10 @@ def check(out: Path) -> None:
     print(*lines, sep="\n")
 
 
-def profile(out: Path, n: int = 32768, heads: int = 16) -> None:
-    """Where the time of forward+backward goes: CUDA kernels of triton and of FlexAttention (block 128) on the
-    Longformer pattern at the target length, warm, three steps each; the tables go to gpu_profile.txt."""
+def profile(out: Path, n: int = 32768, heads: int = 16, peers: bool = True) -> None:
+    """Where the time of forward+backward goes: CUDA kernels of triton and (``peers``) of FlexAttention (block
+    128) on the Longformer pattern at the target length, warm, three steps each; the tables go to
+    gpu_profile.txt."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention
     from torch.profiler import ProfilerActivity
@@ -72,16 +75,18 @@ def profile(out: Path, n: int = 32768, heads: int = 16) -> None:
     from sparse_attn.api import sparse_attention
 
     pattern = sa.Local(256) | sa.Global(first=16)
-    flex = torch.compile(flex_attention, fullgraph=True)
-    block_mask = pattern.layout(n, heads=heads, block_size=128).to("cuda").to_block_mask()
+    if peers:
+        flex = torch.compile(flex_attention, fullgraph=True)
+        block_mask = pattern.layout(n, heads=heads, block_size=128).to("cuda").to_block_mask()
     layout = pattern.layout(n, heads=heads).to("cuda")
     tables = []
     for head_dim in (64, 128):
         q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))                                                       # (B, H, N, D)
         grad_out = torch.randn_like(q)
-        runs = {"triton": lambda: sparse_attention(q, k, v, layout, backend="triton"),
-                "flex-128": lambda: flex(q, k, v, block_mask=block_mask)}
+        runs = {"triton": lambda: sparse_attention(q, k, v, layout, backend="triton")}
+        if peers:
+            runs["flex-128"] = lambda: flex(q, k, v, block_mask=block_mask)
         for name, forward in runs.items():
             for _ in range(2):                                                              # compile, warm up
                 forward().backward(grad_out)
@@ -96,12 +101,73 @@ def profile(out: Path, n: int = 32768, heads: int = 16) -> None:
     print("\n\n".join(tables))
 
 
+def profile_triton(out: Path) -> None:
+    """``profile`` of triton alone (no FlexAttention compile: the ``all`` stage's budget)."""
+    profile(out, peers=False)
+
+
+def decode(out: Path, context: int = 65536, steps: int = 50) -> None:
+    """One decode step with ``SparseKVCache(Local(4095, 0) | Sink(first=4), backend="triton")`` on the GPU (B=8,
+    8 query / 2 key-value heads, D=64, bf16) after ``context`` tokens, against dense SDPA (GQA) over exactly the
+    keys the cache holds, and the attention of the step alone (``cache.attention`` on the held keys, no update).
+    Medians of ``steps`` steps, wall clock with the GPU synchronised; written to gpu_decode.txt."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    sys.path.insert(0, str(REPO))
+    import sparse_attn as sa
+    from sparse_attn.kv_cache import SparseKVCache
+
+    batch, q_heads, kv_heads, dim, chunk = 8, 8, 2, 64, 8192
+    cache = SparseKVCache(sa.Local(4095, 0) | sa.Sink(first=4), backend="triton")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(heads, n):
+        return torch.randn(batch, heads, n, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    for _ in range(context // chunk):
+        cache.update(randn(kv_heads, chunk), randn(kv_heads, chunk))
+    step_s, attend_s = [], []
+    for i in range(steps + 5):
+        q, k, v = randn(q_heads, 1), randn(kv_heads, 1), randn(kv_heads, 1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        cache.attend(q, k, v)
+        torch.cuda.synchronize()
+        step_s.append(time.perf_counter() - start)
+    keys, values, positions = cache.update(randn(kv_heads, 1), randn(kv_heads, 1))
+    q = randn(q_heads, 1)
+    for i in range(steps + 5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        cache.attention(q, keys, values, positions)
+        torch.cuda.synchronize()
+        attend_s.append(time.perf_counter() - start)
+    sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+                       return_mode="median")
+    step_ms, attend_ms = (1e3 * statistics.median(t[5:]) for t in (step_s, attend_s))
+    lines = [f"decode after {context} tokens, B={batch}, {q_heads} q / {kv_heads} kv heads, D={dim}, bf16, "
+             f"Local(4095, 0) | Sink(first=4): {keys.shape[2]} keys held",
+             f"SparseKVCache step (update + attention): {step_ms:.3f} ms median of {steps}",
+             f"attention over the held keys alone (cache.attention): {attend_ms:.3f} ms",
+             f"SDPA (enable_gqa) over the held keys: {sdpa_ms:.3f} ms (do_bench median)",
+             f"step / SDPA: {step_ms / sdpa_ms:.2f}x; attention / SDPA: {attend_ms / sdpa_ms:.2f}x (target <= 1.5x)"]
+    (out / "gpu_decode.txt").write_text("\n".join(lines) + "\n")
+    print(*lines, sep="\n")
+
+
 def stages(out: Path) -> dict[str, list]:
     """Each stage's steps writing into ``out``: commands (argument lists, run from the repository root) or
     functions of this module called with ``out``."""
     pytest_log = shlex.quote(str(out / "gpu_pytest.log"))
     pytest = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "--durations=10", "-p", "no:cacheprovider",
                          "tests/test_triton_backend.py", "tests/test_nn.py"])
+    kernels = [PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--out", str(out)]
+    quick_tests = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "-n", "12", "--timeout", "150", "-p",
+                              "no:cacheprovider", "tests/test_triton_backend.py", "tests/test_nn.py"])
     return {
         "check": [check],
         "tests": [["bash", "-c", f"set -o pipefail; timeout 540 {pytest} 2>&1 | tee {pytest_log}"],
@@ -110,6 +176,14 @@ def stages(out: Path) -> dict[str, list]:
         "tune": [[PYTHON, "benchmarks/triton_tune.py", "--resume", "--budget-s", "480", "--out", str(out)]],
         "bench": [[PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--budget-s", "480", "--out", str(out)]],
         "profile": [profile],
+        "decode": [decode],
+        "all": [check,
+                [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "triton", "triton-128", "flex-128",
+                 "sdpa", "--no-million", "--budget-s", "240"],
+                [*kernels, "--million", "--impls", "triton", "--budget-s", "60"],
+                decode,
+                ["bash", "-c", f"set -o pipefail; timeout 170 {quick_tests} 2>&1 | tee {pytest_log}"],
+                profile_triton],
     }
 
 
@@ -140,7 +214,7 @@ def _call(function) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile"])
+    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile", "decode", "all"])
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
                         help="where the stage writes its files (default: $OUT)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")

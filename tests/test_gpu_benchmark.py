@@ -58,11 +58,11 @@ def test_markdown_compares_triton_with_the_faster_flex_block_per_pass_and_with_m
     assert md.startswith("# GPU kernels on NVIDIA H100 80GB HBM3\n")
     assert "(79.1 GiB), driver 550.54.15, CUDA 12.8; torch 2.11.0, triton 3.6.0." in md
     assert table_rows(md) == [
-        "| longformer | 64 | 1 | 32768 | 3.10% | 1.00 / 1.25 (64) / 2.00 / 10.00 | 4.00 / 3.60 (128) / 8.00 / 40.00 "
-        "| 1000 / 800 / 500 | 875 / 972 / 438 | 1.25 | 0.90 | 10.0 | 200% | 400 / 360 / 800 / 4000 |"]
+        "| longformer | 64 | 1 | 32768 | 3.10% | 1.00 (64) / 1.25 (64) / 2.00 / 10.00 | 4.00 (64) / 3.60 (128) / 8.00 "
+        "/ 40.00 | 1000 / 800 / 500 | 875 / 972 / 438 | 1.25 | 0.90 | 10.0 | 200% | 400 / 360 / 800 / 4000 |"]
     assert table_line(md, "masked-sdpa ran") == "masked-sdpa ran torch's efficient_attention (1 points)."
     assert table_line(md, "- E1:") == "- E1: BackendCompilerFailed: NoValidChoicesError"
-    assert table_line(md, "Targets (issue 10)").startswith("Targets (issue 10), bf16, B=1, D = 64 and 128, at N = 32K")
+    assert table_line(md, "Targets (issue 25)").startswith("Targets (issue 25), bf16, B=1, D = 64 and 128, at N = 32K")
     assert "1M tokens" not in md and "Incomplete" not in md
 
 
@@ -81,7 +81,7 @@ def test_markdown_error_footnotes_and_missing_implementations():
         "| — | — / — / E1 / — |",
         "| bigbird-itc | 128 | 1 | 32768 | 10.00% | E1 / E2,E1 / — / E3 | E1 / E2,E1 / — / E3 | E1 / E2,E1 / — "
         "| E1 / E2,E1 / — | — | — | — | — | E1 / E2,E1 / — / E3 |",
-        "| sliding-causal | 64 | 1 | 8192 | 20.00% | 0.50 / — / — / — | 2.00 / — / — / — | 2000 / — / — "
+        "| sliding-causal | 64 | 1 | 8192 | 20.00% | 0.50 (64) / — / — / — | 2.00 (64) / — / — / — | 2000 / — / — "
         "| 1750 / — / — | — | — | — | — | 200 / — / — / — |"]
     errors = md.split("Errors:\n\n")[1].split("\n\n")[0]
     assert errors == ("- E1: out of memory\n- E2: OutOfResources: out of resource: shared memory\n"
@@ -99,7 +99,7 @@ def test_markdown_million_lines_and_pending_count():
             row("flex-64", *million, density=0.0005, fwd_ms=30.0, fwd_tflops=100.0)]   # killed mid-way: no memory
     md = gk.to_markdown(rows, META, pending=7)
     assert table_line(md, "| longformer | 64 | 1 | 1048576 |").startswith(
-        "| longformer | 64 | 1 | 1048576 | 0.05% | 20.00 / 30.00 (64) / — / — | 75.25 / E1 / — / — |")
+        "| longformer | 64 | 1 | 1048576 | 0.05% | 20.00 (64) / 30.00 (64) / — / — | 75.25 (64) / E1 / — / — |")
     assert table_line(md, "- triton:") == (
         "- triton: forward 20.0 ms, forward+backward 75.2 ms; forward+backward peak 20.0 GiB allocated in all "
         "(inputs, gradients, layout included; 22.0 GiB reserved by the allocator): fits in the GPU's 79.1 GiB")
@@ -136,16 +136,16 @@ def test_figure_draws_time_and_memory_per_pattern_and_head_dim(tmp_path, monkeyp
 
 def test_plan_puts_the_targets_first_then_the_million_then_the_rest_by_d_and_n():
     points = gk.plan(gk.parse_args([]))
-    assert len(points) == 6 * 2 * 3 * 5 + 3                                 # N x D x patterns x impls + 1M
+    assert len(points) == 6 * 2 * 3 * 6 + 4                                 # N x D x patterns x impls + 1M
     assert len(set(points)) == len(points)
     targets = [(impl, pattern, d) for d in (64, 128) for pattern in gk.PATTERNS for impl in gk.IMPLEMENTATIONS]
-    assert [(impl, pattern, d) for impl, pattern, d, b, n in points[:30]] == targets
-    assert {(b, n) for *_, b, n in points[:30]} == {(1, N_32K)}
-    assert points[30:33] == [(impl, "longformer", 64, 1, gk.MILLION) for impl in ("triton", "flex-128", "flex-64")]
-    rest = [(d, n) for _, _, d, _, n in points[33::15]]                      # 15 points (patterns x impls) each
+    assert [(impl, pattern, d) for impl, pattern, d, b, n in points[:36]] == targets
+    assert {(b, n) for *_, b, n in points[:36]} == {(1, N_32K)}
+    assert points[36:40] == [(impl, "longformer", 64, 1, gk.MILLION) for impl in gk.SPARSE]
+    rest = [(d, n) for _, _, d, _, n in points[40::18]]                      # 18 points (patterns x impls) each
     assert rest == [(d, n) for d in (64, 128) for n in (4096, 8192, 16384, 65536, 131072)]
-    assert points[33:36] == [("triton", "longformer", 64, 1, 4096), ("flex-128", "longformer", 64, 1, 4096),
-                             ("flex-64", "longformer", 64, 1, 4096)]
+    assert points[40:43] == [("triton", "longformer", 64, 1, 4096), ("triton-128", "longformer", 64, 1, 4096),
+                             ("flex-128", "longformer", 64, 1, 4096)]
     assert points[-1] == ("masked-sdpa", "sliding-causal", 128, 1, 131072)
     assert gk.MILLION not in {n for *_, n in gk.plan(gk.parse_args(["--no-million"]))}
     assert gk.MILLION not in {n for *_, n in gk.plan(gk.parse_args(["--patterns", "bigbird-itc"]))}
@@ -158,14 +158,13 @@ def test_arguments_defaults_quick_and_million(tmp_path):
     args = gk.parse_args([])
     assert (args.budget_s, args.resume, args.million, args.no_million, args.list) == (500.0, False, False, False, False)
     assert (args.n, args.batch, args.head_dim) == ([4096, 8192, 16384, 32768, 65536, 131072], [1], [64, 128])
-    assert args.impls == ["triton", "flex-128", "flex-64", "sdpa", "masked-sdpa"]
+    assert args.impls == ["triton", "triton-128", "flex-128", "flex-64", "sdpa", "masked-sdpa"]
     assert args.patterns == ["longformer", "bigbird-itc", "sliding-causal"]
     assert args.out == SCRIPT.parent / "results"
     quick = gk.parse_args(["--quick", "--budget-s", "60", "--out", str(tmp_path)])
     assert (quick.n, quick.batch, quick.head_dim, quick.budget_s, quick.out) == ([8192], [1], [64], 60.0, tmp_path)
-    assert len(gk.plan(quick)) == 15                                         # no 1M point in a smoke run
-    million = [("triton", "longformer", 64, 1, 1_048_576), ("flex-128", "longformer", 64, 1, 1_048_576),
-               ("flex-64", "longformer", 64, 1, 1_048_576)]
+    assert len(gk.plan(quick)) == 18                                         # no 1M point in a smoke run
+    million = [(impl, "longformer", 64, 1, 1_048_576) for impl in ("triton", "triton-128", "flex-128", "flex-64")]
     assert gk.plan(gk.parse_args(["--million"])) == million
     assert gk.plan(gk.parse_args(["--million", "--impls", "sdpa", "triton"])) == million[:1]
     for wrong in (["--impls", "xformers"], ["--million", "--no-million"], ["--patterns", "streaming-causal"]):
@@ -184,11 +183,11 @@ def test_patterns_are_the_issues():
 def test_resume_keeps_rows_and_lists_only_what_is_left(tmp_path, capsys):
     rows = [row("triton", "longformer", 64, 1, 8192, fwd_ms=1.0), row("flex-128", "longformer", 64, 1, 8192,
                                                                        error="out of memory")]
-    pending = [(impl, "longformer", 64, 1, 8192) for impl in ("flex-64", "sdpa", "masked-sdpa")]
+    pending = [(impl, "longformer", 64, 1, 8192) for impl in ("triton-128", "flex-64", "sdpa", "masked-sdpa")]
     gk.write(tmp_path, META, rows, pending=pending)
     record = json.loads((tmp_path / "gpu_kernels.json").read_text())
     assert record["not_measured"] == [row(*point) for point in pending]
-    assert (tmp_path / "gpu_kernels.md").read_text() == gk.to_markdown(rows, META, 3)
+    assert (tmp_path / "gpu_kernels.md").read_text() == gk.to_markdown(rows, META, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kernels.json", "gpu_kernels.md"]  # nothing half
     assert gk.resumed_rows(tmp_path / "gpu_kernels.json", META) == rows
     with pytest.raises(SystemExit, match="device: 'NVIDIA H100 80GB HBM3' there, 'NVIDIA H200' here"):
@@ -267,10 +266,10 @@ def test_main_saves_resumes_draws_and_stops_with_a_fake_gpu(monkeypatch, tmp_pat
 
     gk.main([*grid, "--budget-s", "0"])                                      # spent at once: nothing measured
     assert measured == [] and saved() == ([], points) and drawn == [0]       # the figure too, when it stops
-    assert "not measured (time budget spent): 5 points" in capsys.readouterr().out
+    assert "not measured (time budget spent): 6 points" in capsys.readouterr().out
     gk.main([*grid, "--impls", "triton"])
     gk.main([*grid, "--resume"])                                             # triton kept, the others measured
-    assert drawn == [0, 1, 5]                                                # once a run, not after every point
+    assert drawn == [0, 1, 6]                                                # once a run, not after every point
     gk.main([*grid, "--resume", "--million"])
     million = [(impl, *gk.MILLION_POINT) for impl in gk.SPARSE]
     assert measured == points + million and saved() == (points + million, [])
@@ -373,6 +372,7 @@ def sparse_flops(pattern, block):
 
 @pytest.mark.parametrize("impl, pattern, flops, details", [
     pytest.param("triton", "longformer", sparse_flops("longformer", 64), {}, marks=needs_triton),
+    pytest.param("triton-128", "sliding-causal", sparse_flops("sliding-causal", 128), {}, marks=needs_triton),
     ("flex-128", "bigbird-itc", sparse_flops("bigbird-itc", 128), {}),
     ("flex-64", "bigbird-itc", sparse_flops("bigbird-itc", 64), {}),
     ("sdpa", "sliding-causal", 4 * 2 * 2 * 80 * 80 * 16 // 2, {}),            # dense, causal: half
