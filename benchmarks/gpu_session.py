@@ -6,7 +6,7 @@
     python benchmarks/gpu_session.py bench     # <= 8 min: benchmarks/gpu_kernels.py --resume (targets first)
     python benchmarks/gpu_session.py profile   # ~2 min: torch.profiler of triton and FlexAttention at N=32K
     python benchmarks/gpu_session.py decode    # ~1 min: a SparseKVCache decode step against SDPA over the held keys
-    python benchmarks/gpu_session.py all       # <= 9 min: check, the targets, 1M, decode, tests, triton's profile
+    python benchmarks/gpu_session.py all       # <= 8 min: check, the targets, 1M, decode, tests, triton's profile
     python benchmarks/gpu_session.py tests --dry-run     # print the commands, run nothing (no GPU needed)
 
 Every stage writes into ``--out`` (default: ``$OUT``, the folder a GPU machine lent by the device tool
@@ -166,8 +166,9 @@ def stages(out: Path) -> dict[str, list]:
     pytest = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "--durations=10", "-p", "no:cacheprovider",
                          "tests/test_triton_backend.py", "tests/test_nn.py"])
     kernels = [PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--out", str(out)]
-    quick_tests = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "-n", "12", "--timeout", "150", "-p",
-                              "no:cacheprovider", "tests/test_triton_backend.py", "tests/test_nn.py"])
+    quick_tests = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "-n", "12", "--timeout", "130", "-p",
+                              "no:cacheprovider", "tests/test_triton_backend.py", "tests/test_nn.py",
+                              "tests/test_work_split.py"])
     return {
         "check": [check],
         "tests": [["bash", "-c", f"set -o pipefail; timeout 540 {pytest} 2>&1 | tee {pytest_log}"],
@@ -179,10 +180,10 @@ def stages(out: Path) -> dict[str, list]:
         "decode": [decode],
         "all": [check,
                 [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "triton", "triton-128", "flex-128",
-                 "sdpa", "--no-million", "--budget-s", "240"],
+                 "sdpa", "--no-million", "--budget-s", "200"],
                 [*kernels, "--million", "--impls", "triton", "--budget-s", "60"],
                 decode,
-                ["bash", "-c", f"set -o pipefail; timeout 170 {quick_tests} 2>&1 | tee {pytest_log}"],
+                ["bash", "-c", f"set -o pipefail; timeout 140 {quick_tests} 2>&1 | tee {pytest_log}"],
                 profile_triton],
     }
 
