@@ -47,6 +47,7 @@ from .retention import retention
 from .rules import Context, resolve
 
 _MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
+_KEPT_LAYOUTS = 8      # layouts of held positions a cache keeps, by their token mask (a decode step reuses one)
 
 
 class SparseKVCache:
@@ -72,6 +73,7 @@ class SparseKVCache:
         self._ring_head = self._ring_count = 0          # the oldest ring entry (index into the ring), entries
         self._seen = 0
         self._new = np.zeros(0, dtype=np.int64)         # positions appended by the last update
+        self._layouts: dict[tuple, BlockLayout] = {}    # token mask (packed) -> its layout, latest last
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -241,12 +243,41 @@ class SparseKVCache:
         parts = []
         for start in range(0, n_q, step):
             rows = slice(start, min(start + step, n_q))
-            layout = layout_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1], block_size,
-                                         key_padding_mask=key_padding_mask)
+            mask = allowed_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1],
+                                        key_padding_mask=key_padding_mask)
+            layout = self._layout_of(mask, q.shape[1], block_size)
             parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, backend=self.backend,
                                           return_lse=True))
         out, lse = (torch.cat(column, dim=2) for column in zip(*parts))
         return (out, lse) if return_lse else out
+
+    def _layout_of(self, mask: np.ndarray, heads: int, block_size: int) -> BlockLayout:
+        """The layout of a token mask (Bl, Hl, rows, keys), kept for the next steps: a decode step of a bounded
+        pattern sees the same mask as the step before once the cache is full (the window slides with the
+        token), so the layout, its copy on the GPU and the kernels' work plan are built once, not every step."""
+        key = (mask.shape, heads, block_size, np.packbits(mask).tobytes())
+        layout = self._layouts.pop(key, None)
+        if layout is None:
+            layout = _layout_of_mask(mask, heads, block_size, self.pattern)
+        self._layouts[key] = layout                       # latest last; the oldest goes past _KEPT_LAYOUTS
+        while len(self._layouts) > _KEPT_LAYOUTS:
+            del self._layouts[next(iter(self._layouts))]
+        return layout
+
+
+def allowed_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
+                         heads: int = 1, key_padding_mask=None) -> np.ndarray:
+    """The token mask (B or 1, H or 1, rows, keys) of :func:`layout_at_positions`."""
+    heads = check_int("heads", heads, 1)
+    pattern.check_heads(heads)
+    i, j = np.asarray(query_positions, dtype=np.int64)[:, None], np.asarray(key_positions, dtype=np.int64)[None, :]
+    mask = np.stack([np.broadcast_to(resolve(pattern, context._replace(head=h)).allows(i, j), (i.size, j.size))
+                     for h in range(heads if pattern.head_dependent else 1)])[None]   # (1, H or 1, rows, keys)
+    if key_padding_mask is not None:
+        check_token_mask("key_padding_mask", key_padding_mask, None, j.size)
+        padding = np.asarray(torch.as_tensor(key_padding_mask).cpu())                  # (B, keys)
+        mask = mask & ~padding[:, None, None, :]                                        # (B, H or 1, rows, keys)
+    return mask
 
 
 def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
@@ -264,14 +295,7 @@ def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, 
     [[1, 1, 1, 1, 0]]
     """
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
-    pattern.check_heads(heads)
-    i, j = np.asarray(query_positions, dtype=np.int64)[:, None], np.asarray(key_positions, dtype=np.int64)[None, :]
-    mask = np.stack([np.broadcast_to(resolve(pattern, context._replace(head=h)).allows(i, j), (i.size, j.size))
-                     for h in range(heads if pattern.head_dependent else 1)])[None]   # (1, H or 1, rows, keys)
-    if key_padding_mask is not None:
-        check_token_mask("key_padding_mask", key_padding_mask, None, j.size)
-        padding = np.asarray(torch.as_tensor(key_padding_mask).cpu())                  # (B, keys)
-        mask = mask & ~padding[:, None, None, :]                                        # (B, H or 1, rows, keys)
+    mask = allowed_at_positions(pattern, context, query_positions, key_positions, heads, key_padding_mask)
     return _layout_of_mask(mask, heads, block_size, pattern)
 
 
