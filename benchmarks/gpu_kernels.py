@@ -10,14 +10,18 @@ For bf16, H=16 heads, every (pattern, head_dim, batch, N) point times the forwar
 forward+backward of five implementations on identical inputs:
 
 - ``triton``: ``sparse_attention(..., backend="triton")`` with a prebuilt ``BlockLayout`` of block 64;
+  ``triton-128`` the same with block 128 (the markdown shows triton at its faster block, per pass);
 - ``flex-128``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()`` of the same pattern's
-  layout built with block 128 (FlexAttention's default block), compiled afresh for each point and
-  never run eagerly (``compiled_flex``);
-- ``flex-64``: the same with block 64 (our block), forward kernel tiles 64 x 64 (FlexAttention's
-  default tiles on an H100 are 128 wide, which a 64-block mask does not allow). Its backward keeps
-  FlexAttention's default tiles: where they do not divide 64 (torch 2.13 on sm_90: 64 x 128), the
-  compile fails and the point's forward+backward is an error row. The markdown compares triton with
-  the faster of the two flex blocks, per point and per pass, and says which block that was;
+  layout built with block 128 (FlexAttention's default block): its block lists come from the layout, its
+  ``mask_mod`` is the pattern's own predicate (``pattern.mask_mod``: arithmetic, as a FlexAttention user
+  writes one; the same block lists as ``create_block_mask`` would compute, in milliseconds instead of a
+  compiled N x N sweep), compiled afresh for each point and never run eagerly (``compiled_flex``);
+- ``flex-64``: the same with block 64, kernel tiles 64 x 64 forward and backward (FlexAttention's
+  default tiles on an H100 are 128 wide, which a 64-block mask does not allow);
+- ``flex-128-max``: ``flex-128`` compiled with ``mode="max-autotune-no-cudagraphs"``: FlexAttention picks
+  its tiles, warps and stages by timing its candidates (about a minute a point; not in the default
+  plan, ``--impls`` names it). The markdown compares triton with the fastest flex, per point and per
+  pass, and says which block that was;
 - ``sdpa``: dense ``scaled_dot_product_attention`` restricted to the flash kernel (causal for the
   causal pattern), the speed-of-light for the hardware;
 - ``masked-sdpa``: the naive baseline, dense ``scaled_dot_product_attention`` with the pattern's token
@@ -81,11 +85,13 @@ PATTERNS = {  # name: (pattern, causal SDPA baseline)
     "sliding-causal": (sa.Local(1023, 0) & sa.Causal(), True),
 }
 TRITON_BLOCKS = {"triton": 64, "triton-128": 128}  # implementation: the block of its layout
-FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64}  # implementation: the block of its layout and BlockMask
+FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64, "flex-128-max": 128}  # implementation: its BlockMask's block
+FLEX_MODES = {"flex-128-max": "max-autotune-no-cudagraphs"}  # torch.compile mode (default: none): autotuned tiles
 FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64,  # block: kernel tiles that divide it
                    "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}}
 BLOCKS = TRITON_BLOCKS | FLEX_BLOCKS
 IMPLEMENTATIONS = (*TRITON_BLOCKS, *FLEX_BLOCKS, "sdpa", "masked-sdpa")
+DEFAULT_IMPLS = [impl for impl in IMPLEMENTATIONS if impl not in FLEX_MODES]  # autotuning: ~1 min a point
 SPARSE = (*TRITON_BLOCKS, *FLEX_BLOCKS)  # those that skip blocks, the only ones at 1M tokens
 KEY = ("impl", "pattern", "head_dim", "batch", "n")  # a point; a row is a point plus its results
 DEFAULT_N = [4096, 8192, 16384, 32768, 65536, 131072]
@@ -149,7 +155,7 @@ def check_fits(needed: int) -> None:
         raise DoesNotFit(f"does not fit: needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
 
 
-def compiled_flex():
+def compiled_flex(mode: str | None = None):
     """``torch.compile(flex_attention)`` that runs compiled or raises, never silently eagerly.
 
     Dynamo caches compiled code per code object, and every point compiles ``flex_attention`` anew
@@ -162,7 +168,7 @@ def compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True, mode=mode)
 
 
 def masked_sdpa_backend(q, k, v, mask) -> str:
@@ -180,7 +186,7 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
         return (lambda: sparse_attention(q, k, v, layout, backend="triton")), {}
     if impl in FLEX_BLOCKS:
         block_mask = layout.to_block_mask()
-        flex = compiled_flex()
+        flex = compiled_flex(FLEX_MODES.get(impl))
         tiles = FLEX_TILES.get(layout.block_size)
         return (lambda: flex(q, k, v, block_mask=block_mask, kernel_options=tiles)), {}
     if impl == "masked-sdpa":
@@ -447,7 +453,7 @@ def figure(record: dict, path: Path) -> None:
     quantities = (("fwd_bwd_ms", "f+b ms"), ("fwd_bwd_peak_mb", "f+b peak MiB above inputs"))
     fig, axes = plt.subplots(len(quantities) * len(dims), len(PATTERNS), squeeze=False,
                              figsize=(4.6 * len(PATTERNS), 3.4 * len(quantities) * len(dims)))
-    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "k:", "x-.")))
+    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "v--", "k:", "x-.")))
     for q, (key, label) in enumerate(quantities):
         for d, head_dim in enumerate(dims):
             for p, pattern in enumerate(PATTERNS):
@@ -476,7 +482,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
-    parser.add_argument("--impls", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=IMPLEMENTATIONS)
     parser.add_argument("--quick", action="store_true", help="N=8192, B=1, D=64 only, no 1M point (a smoke run)")
     million = parser.add_mutually_exclusive_group()
     million.add_argument("--million", action="store_true",

@@ -7,6 +7,8 @@
     python benchmarks/gpu_session.py profile   # ~2 min: torch.profiler of triton and FlexAttention at N=32K
     python benchmarks/gpu_session.py decode    # ~1 min: a SparseKVCache decode step against SDPA over the held keys
     python benchmarks/gpu_session.py all       # <= 8 min: check, the targets, 1M, decode, tests, triton's profile
+    python benchmarks/gpu_session.py fair      # ~6 min: the peers' knobs (flex-64, autotuned flex), Flex on our
+                                               # exported BlockMask vs create_block_mask, decode (--resume of all)
     python benchmarks/gpu_session.py tests --dry-run     # print the commands, run nothing (no GPU needed)
 
 Every stage writes into ``--out`` (default: ``$OUT``, the folder a GPU machine lent by the device tool
@@ -33,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PYTHON = sys.executable
-RESUMED = {"tune": "triton_tune.json", "bench": "gpu_kernels.json"}  # a stage's rows, kept by its --resume
+RESUMED = {"tune": "triton_tune.json", "bench": "gpu_kernels.json", "fair": "gpu_kernels.json"}  # a stage's rows, kept by its --resume
 
 def check(out: Path) -> None:
     """The GPU as found (nvidia-smi: driver, clocks, temperature) and the two ceilings every kernel is judged
@@ -159,6 +161,51 @@ def decode(out: Path, context: int = 65536, steps: int = 50) -> None:
     print(*lines, sep="\n")
 
 
+def flex_export(out: Path, n: int = 32768, heads: int = 16) -> None:
+    """FlexAttention on ``layout.to_block_mask()`` (block lists from the layout, the pattern's own predicate)
+    against ``create_block_mask`` of the same predicate, compiled, as a FlexAttention user builds it: the block
+    lists and outputs are compared, and both the build and the compiled forward timed (Longformer and the causal
+    sliding window, block 128, bf16, D=64, B=1). Written to gpu_flex_export.txt."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from triton.testing import do_bench
+
+    sys.path.insert(0, str(REPO))
+    import sparse_attn as sa
+
+    lines = [f"FlexAttention, N={n}, H={heads}, D=64, bf16, block 128: layout.to_block_mask() vs "
+             f"create_block_mask(pattern.mask_mod(...), _compile=True)"]
+    q, k, v = (torch.randn(1, heads, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for name, pattern in (("longformer", sa.Local(256) | sa.Global(first=16)),
+                          ("sliding-causal", sa.Local(1023, 0) & sa.Causal())):
+        layout = pattern.layout(n, heads=heads, block_size=128).to("cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        exported = layout.to_block_mask()
+        torch.cuda.synchronize()
+        export_s = time.perf_counter() - start
+        start = time.perf_counter()
+        made = create_block_mask(pattern.mask_mod(n, n, heads, device="cuda"), None, None, n, n, device="cuda",
+                                 BLOCK_SIZE=128, _compile=True)
+        torch.cuda.synchronize()
+        made_s = time.perf_counter() - start
+        same_blocks = torch.equal(exported.to_dense().expand_as(made.to_dense()), made.to_dense()) and torch.equal(
+            exported.full_kv_num_blocks.expand_as(made.full_kv_num_blocks), made.full_kv_num_blocks)
+        times, outs = [], []
+        for block_mask in (exported, made):
+            torch._dynamo.reset()
+            flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+            with torch.no_grad():
+                outs.append(flex(q, k, v, block_mask=block_mask))
+                times.append(do_bench(lambda: flex(q, k, v, block_mask=block_mask), return_mode="median"))
+        lines.append(f"{name}: build {export_s * 1e3:.1f} ms (export) vs {made_s * 1e3:.0f} ms (create_block_mask, "
+                     f"compile included); same block lists: {same_blocks}; outputs max |diff| "
+                     f"{(outs[0].float() - outs[1].float()).abs().max().item():.3g}; forward {times[0]:.3f} ms vs "
+                     f"{times[1]:.3f} ms (exported / created: {times[0] / times[1]:.3f})")
+    (out / "gpu_flex_export.txt").write_text("\n".join(lines) + "\n")
+    print(*lines, sep="\n")
+
+
 def stages(out: Path) -> dict[str, list]:
     """Each stage's steps writing into ``out``: commands (argument lists, run from the repository root) or
     functions of this module called with ``out``."""
@@ -178,6 +225,11 @@ def stages(out: Path) -> dict[str, list]:
         "bench": [[PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--budget-s", "480", "--out", str(out)]],
         "profile": [profile],
         "decode": [decode],
+        "fair": [check, decode, flex_export,
+                 [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "flex-64", "--no-million",
+                  "--budget-s", "100"],
+                 [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "flex-128-max", "--patterns",
+                  "sliding-causal", "--no-million", "--budget-s", "150"]],
         "all": [check,
                 [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "triton", "triton-128", "flex-128",
                  "sdpa", "--no-million", "--budget-s", "200"],
@@ -215,7 +267,7 @@ def _call(function) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile", "decode", "all"])
+    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile", "decode", "all", "fair"])
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
                         help="where the stage writes its files (default: $OUT)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")

@@ -138,10 +138,10 @@ def test_plan_puts_the_targets_first_then_the_million_then_the_rest_by_d_and_n()
     points = gk.plan(gk.parse_args([]))
     assert len(points) == 6 * 2 * 3 * 6 + 4                                 # N x D x patterns x impls + 1M
     assert len(set(points)) == len(points)
-    targets = [(impl, pattern, d) for d in (64, 128) for pattern in gk.PATTERNS for impl in gk.IMPLEMENTATIONS]
+    targets = [(impl, pattern, d) for d in (64, 128) for pattern in gk.PATTERNS for impl in gk.DEFAULT_IMPLS]
     assert [(impl, pattern, d) for impl, pattern, d, b, n in points[:36]] == targets
     assert {(b, n) for *_, b, n in points[:36]} == {(1, N_32K)}
-    assert points[36:40] == [(impl, "longformer", 64, 1, gk.MILLION) for impl in gk.SPARSE]
+    assert points[36:40] == [(impl, "longformer", 64, 1, gk.MILLION) for impl in gk.DEFAULT_IMPLS if impl in gk.SPARSE]
     rest = [(d, n) for _, _, d, _, n in points[40::18]]                      # 18 points (patterns x impls) each
     assert rest == [(d, n) for d in (64, 128) for n in (4096, 8192, 16384, 65536, 131072)]
     assert points[40:43] == [("triton", "longformer", 64, 1, 4096), ("triton-128", "longformer", 64, 1, 4096),
@@ -198,7 +198,7 @@ def test_resume_keeps_rows_and_lists_only_what_is_left(tmp_path, capsys):
     gk.main(["--list", "--resume", *grid])                                   # error rows count as measured
     assert capsys.readouterr().out.splitlines() == [" ".join(map(str, point)) for point in pending]
     gk.main(["--list", *grid])                                               # without --resume: everything
-    assert capsys.readouterr().out.splitlines() == [f"{impl} longformer 64 1 8192" for impl in gk.IMPLEMENTATIONS]
+    assert capsys.readouterr().out.splitlines() == [f"{impl} longformer 64 1 8192" for impl in gk.DEFAULT_IMPLS]
 
 
 def test_machine_records_gpu_memory_driver_and_cuda(monkeypatch):
@@ -258,7 +258,7 @@ def test_main_saves_resumes_draws_and_stops_with_a_fake_gpu(monkeypatch, tmp_pat
                                 (gk, "figure", fake_figure)):
         monkeypatch.setattr(target, name, value)
     grid = ["--quick", "--patterns", "longformer", "--out", str(tmp_path)]
-    points = [(impl, "longformer", 64, 1, 8192) for impl in gk.IMPLEMENTATIONS]
+    points = [(impl, "longformer", 64, 1, 8192) for impl in gk.DEFAULT_IMPLS]
 
     def saved():
         record = json.loads((tmp_path / "gpu_kernels.json").read_text())
@@ -271,7 +271,7 @@ def test_main_saves_resumes_draws_and_stops_with_a_fake_gpu(monkeypatch, tmp_pat
     gk.main([*grid, "--resume"])                                             # triton kept, the others measured
     assert drawn == [0, 1, 6]                                                # once a run, not after every point
     gk.main([*grid, "--resume", "--million"])
-    million = [(impl, *gk.MILLION_POINT) for impl in gk.SPARSE]
+    million = [(impl, *gk.MILLION_POINT) for impl in gk.DEFAULT_IMPLS if impl in gk.SPARSE]
     assert measured == points + million and saved() == (points + million, [])
     assert "1M tokens" in (tmp_path / "gpu_kernels.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_kernels.json", "gpu_kernels.md", "gpu_kernels.png"]
@@ -350,7 +350,7 @@ def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
             torch.testing.assert_close(flex(), triton(), atol=1e-5, rtol=1e-5)
             assert details == {}
         assert counter.frame_count == 2
-        assert options_seen == [{"dynamic": False, "fullgraph": True}] * 2
+        assert options_seen == [{"dynamic": False, "fullgraph": True, "mode": None}] * 2
         stale = compile_(flex_attention, backend=counter, **options_seen[0])
         q = torch.randn(1, 2, 128, 16)                                       # (B, H, N, D)
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):       # no reset: an error, not eager
@@ -363,7 +363,7 @@ def fake_flex(calls):
     def flex(q, k, v, block_mask, kernel_options):
         calls.append((block_mask.BLOCK_SIZE, kernel_options))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return lambda: flex
+    return lambda mode=None: flex
 
 
 def sparse_flops(pattern, block):
