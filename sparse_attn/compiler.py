@@ -29,8 +29,8 @@ import torch
 from ._host import host_only
 from .blocks import block_areas, ceil_div, check_lengths
 from .checks import check_bool, check_int, check_token_mask
-from .documents import Spans, check_documents, document_spans
-from .layout import BlockLayout
+from .documents import Spans, check_documents, document_ids, document_spans
+from .layout import BlockLayout, CallData
 from .rules import Context, Rule, block_table, resolve, with_call_data
 
 _TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
@@ -141,6 +141,10 @@ class _Documents(NamedTuple):
         spans = np.frombuffer(self.spans, np.int64).reshape(len(Spans._fields), -1)
         return Spans(*spans[:, spans[0] == b])
 
+    def ids(self, n: int) -> np.ndarray:
+        """The (batch, n) int64 ids these documents were read from."""
+        return document_ids(Spans(*np.frombuffer(self.spans, np.int64).reshape(len(Spans._fields), -1)), self.batch, n)
+
 
 @functools.lru_cache(maxsize=64)
 def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
@@ -186,8 +190,10 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
                          f"hold ({_INT32_MAX}); use a larger block_size (got {block_size})")
     tensors = csr_index(group, keys // n_kb, keys % n_kb, full, remap[tile[~full]], shape, ceil_div(n_q, step), n_kb)
     tensors["masks"] = torch.from_numpy(masks)
+    call_data = CallData(None if documents is None else documents.ids(n_q),        # copies: the caller's arrays
+                         *(None if m is None else np.array(m, dtype=bool) for m in (key_padding_mask, global_mask)))
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=causal,
-                               **tensors)
+                               call_data=call_data, **tensors)
 
 
 def csr_index(group: np.ndarray, rows: np.ndarray, cols: np.ndarray, full: np.ndarray, part_tile: np.ndarray,

@@ -107,6 +107,28 @@ def document_spans(ids: np.ndarray) -> Spans:
     return Spans(*as_int64)
 
 
+def per_token(spans: Spans, out: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``out`` (B, n) with every token of document d set to ``values[d]``; tokens of no document keep theirs.
+
+    >>> spans = document_spans(np.array([[0, 0, 1, -1]]))
+    >>> per_token(spans, np.full((1, 4), -5), np.array([10, 20])).tolist()
+    [[10, 10, 20, -5]]
+    """
+    member = np.repeat(np.arange(len(spans.start)), spans.length)                   # (tokens in documents,)
+    offset = np.arange(len(member)) - np.repeat(np.cumsum(spans.length) - spans.length, spans.length)
+    out.reshape(-1)[spans.example[member] * out.shape[1] + spans.start[member] + offset] = values[member]
+    return out
+
+
+def document_ids(spans: Spans, batch: int, n: int) -> np.ndarray:
+    """The (batch, n) int64 ids that ``document_spans`` read ``spans`` from (-1 where no document).
+
+    >>> document_ids(document_spans(np.array([[3, 3, -1, 7]])), 1, 4).tolist()
+    [[3, 3, -1, 7]]
+    """
+    return per_token(spans, np.full((batch, n), -1, dtype=np.int64), spans.id)
+
+
 def documents_from_lengths(lengths, n: int | None = None) -> torch.Tensor:
     """(B, n) int64 ids from per-example document lengths: document k of an example has id k.
 

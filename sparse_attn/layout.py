@@ -55,6 +55,16 @@ class KernelIndex(NamedTuple):
     part_t_mask: torch.Tensor
 
 
+class CallData(NamedTuple):
+    """The call-time data a compiled layout was built with (``layout.call_data``), as host arrays, None where
+    not given: what ``to_block_mask`` hands to ``pattern.mask_mod`` so its predicate allows what the layout
+    allows."""
+
+    documents: np.ndarray | None            # (B, n) int64 document ids, -1 = padding
+    key_padding_mask: np.ndarray | None     # (B, n_k) bool, True = padding
+    global_mask: np.ndarray | None          # (B, n) bool, True = global token
+
+
 class BlockLayout:
     """Kernel-ready block-sparse form of a pattern. Build with ``pattern.layout(...)``.
 
@@ -86,6 +96,9 @@ class BlockLayout:
     without duplicates within a row, no block both full and partial, tile ids in range, tiles
     False outside the sequence, and the transposed index exactly the transpose of the row index.
     ``pattern`` (shown by ``print``) may be None.
+
+    ``call_data``: the :class:`CallData` of a layout the compiler built from ``pattern`` (its exact
+    token mask); None for one built by hand, whose pattern is only a label.
     """
 
     def __init__(self, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
@@ -97,21 +110,22 @@ class BlockLayout:
             raise TypeError(f"BlockLayout needs the tensors {list(KernelIndex._fields)}; missing "
                             f"{sorted(set(KernelIndex._fields) - names)}, unexpected {sorted(names - set(KernelIndex._fields))}")
         self._set(pattern, n_q, n_k, check_int("heads", heads, 1), check_int("block_size", block_size, 1),
-                  check_bool("causal", causal), tensors)
+                  check_bool("causal", causal), tensors, None)
         _check_tensors(self)
 
     @classmethod
     def trusted(cls, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
-                **tensors: torch.Tensor) -> BlockLayout:
+                call_data: CallData | None = None, **tensors: torch.Tensor) -> BlockLayout:
         """The constructor without its checks, for builders whose layouts are consistent by construction
-        (the compiler, and ``to`` copying a layout): checking would cost as much as building."""
+        (the compiler, and ``to`` copying a layout): checking would cost as much as building. ``call_data``:
+        given only by the compiler, for a layout that is exactly ``pattern`` with that data."""
         layout = cls.__new__(cls)
-        layout._set(pattern, n_q, n_k, heads, block_size, causal, tensors)
+        layout._set(pattern, n_q, n_k, heads, block_size, causal, tensors, call_data)
         return layout
 
-    def _set(self, pattern, n_q, n_k, heads, block_size, causal, tensors) -> None:
+    def _set(self, pattern, n_q, n_k, heads, block_size, causal, tensors, call_data) -> None:
         self.pattern, self.n_q, self.n_k, self.heads = pattern, n_q, n_k, heads
-        self.block_size, self.causal = block_size, causal
+        self.block_size, self.causal, self.call_data = block_size, causal, call_data
         for name in KernelIndex._fields:
             setattr(self, name, tensors[name])
         self._on_device: dict[torch.device, BlockLayout] = {}
@@ -161,7 +175,7 @@ class BlockLayout:
             moved = {name: tensor.to(device) for name, tensor in self.index._asdict().items()}
             self._on_device[device] = BlockLayout.trusted(pattern=self.pattern, n_q=self.n_q, n_k=self.n_k,
                                                           heads=self.heads, block_size=self.block_size,
-                                                          causal=self.causal, **moved)
+                                                          causal=self.causal, call_data=self.call_data, **moved)
         return self._on_device[device]
 
     # --- counts --------------------------------------------------------------------------------
@@ -328,42 +342,78 @@ class BlockLayout:
         return grid
 
     def to_block_mask(self):
-        """FlexAttention ``BlockMask`` of the same pattern, to run the peer on identical work.
+        """FlexAttention ``BlockMask`` of this layout: FlexAttention runs the same blocks, full and partial.
 
-        Its ``mask_mod`` looks tiles up in a (Bl, Hl, n_q_blocks, n_k_blocks) table, which is
-        quadratic in the number of blocks: fine at benchmark sizes, not at 1M tokens.
+        >>> import sparse_attn as sa
+        >>> block_mask = (sa.Local(256) | sa.Global(first=16)).layout(4096, heads=8, block_size=128).to_block_mask()
+        >>> block_mask.shape, block_mask.BLOCK_SIZE             # heads broadcast: the layout shares them
+        ((1, 1, 4096, 4096), (128, 128))
+
+        The block lists (``kv_num_blocks``/``kv_indices`` of the partial blocks, ``full_kv_*`` of the full ones,
+        and their transposes ``q_*``) are copied from the layout's CSR index, so documents and padding cost
+        what the layout cost and nothing is evaluated per pair. ``mask_mod`` is the pattern's own predicate,
+        ``pattern.mask_mod(...)`` with the causal flag and call-time data the layout was built with, on the
+        layout's device. A layout built by hand (``call_data`` None: its pattern is only a label) gets a
+        lookup instead: a block table (n_q_blocks x n_k_blocks per stored head, what ``kv_indices`` holds
+        too) whose full blocks need nothing more, and the layout's tiles for its partial blocks.
+
+        ``BLOCK_SIZE`` is the layout's ``block_size`` (a block past both lengths is one block of the whole
+        sequence, exported as the smallest multiple of 128 that holds it). FlexAttention's Triton kernels
+        split a block in tiles of 16 tokens or more: a CUDA layout whose block size is not a multiple of 16
+        raises a ValueError, as does a layout on the meta device.
         """
         from torch.nn.attention.flex_attention import BlockMask
 
+        block = self._flex_block_size()
+        n_qb, n_kb = self.n_q_blocks, self.n_k_blocks
+        kv_num, kv_idx = _flex_rows(self.part_ptr, self.part_idx, n_kb)
+        full_kv_num, full_kv_idx = _flex_rows(self.full_ptr, self.full_idx, n_kb)
+        q_num, q_idx = _flex_rows(self.part_t_ptr, self.part_t_idx, n_qb)
+        full_q_num, full_q_idx = _flex_rows(self.full_t_ptr, self.full_t_idx, n_qb)
+        if self.pattern is not None and self.call_data is not None:
+            data = self.call_data
+            mask_mod = self.pattern.mask_mod(self.n_q, self.n_k, self.heads, documents=data.documents,
+                                             key_padding_mask=data.key_padding_mask, global_mask=data.global_mask,
+                                             causal=self.causal, device=self.device)
+        else:
+            mask_mod = self._lookup_mask_mod()
+        return BlockMask(seq_lengths=(self.n_q, self.n_k), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                         full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_idx, q_num_blocks=q_num,
+                         q_indices=q_idx, full_q_num_blocks=full_q_num, full_q_indices=full_q_idx,
+                         BLOCK_SIZE=(block, block), mask_mod=mask_mod)
+
+    def _flex_block_size(self) -> int:
+        """The BLOCK_SIZE FlexAttention gets for this layout, or a ValueError saying why it cannot take it."""
+        if self.device.type == "meta":
+            raise ValueError("this BlockLayout is on the meta device, which holds no block lists for a FlexAttention "
+                             "BlockMask; build the layout with values (pattern.layout(...)) and export that")
+        longest = max(self.n_q, self.n_k)
+        block = min(self.block_size, ceil_div(longest, 128) * 128)  # past both lengths: one block, any size
+        if self.device.type == "cuda" and block % 16:
+            raise ValueError(f"FlexAttention's Triton kernels split each block of a BlockMask into tiles of BLOCK_M x "
+                             f"BLOCK_N tokens, 16 or more, which must divide the block; this layout's block_size="
+                             f"{self.block_size} has none. Build it with a block_size that is a multiple of 16: 128 "
+                             f"(FlexAttention's default) or 64 (with kernel_options BLOCK_M=BLOCK_N=64)")
+        return block
+
+    def _lookup_mask_mod(self):
+        """mask_mod of a hand-built layout: a block table per stored (example, head), n_masks for a full block and
+        n_masks + 1 for an absent one, then the layout's tile for a partial block."""
         bl, hl = self.full_ptr.shape[:2]
-        n_qb, n_kb, (tq, tk) = self.n_q_blocks, self.n_k_blocks, self.tile_shape
-        # mask_mod may be evaluated anywhere (eagerly on every pair): tile n_masks is all-True for
-        # full blocks, tile n_masks + 1 all-False for absent ones
-        n_masks = self.masks.shape[0]
-        tiles_ext = torch.cat([self.masks, torch.ones(1, tq, tk, dtype=torch.bool, device=self.device),
-                               torch.zeros(1, tq, tk, dtype=torch.bool, device=self.device)])
-        tile_of_block = torch.full((bl, hl, n_qb, n_kb), n_masks + 1, dtype=torch.int64, device=self.device)
-        kv_num, kv_idx = [], []
-        for ptr, idx, tiles in ((self.part_ptr, self.part_idx, self.part_mask),
-                                (self.full_ptr, self.full_idx, None)):
-            counts = (ptr[..., 1:] - ptr[..., :-1]).to(torch.int32)  # (Bl, Hl, n_qb)
-            indices = torch.zeros(bl, hl, n_qb, n_kb, dtype=torch.int32, device=self.device)  # flex infers n_kb
-            for b in range(bl):
-                for h in range(hl):
-                    p = ptr[b, h].long()
-                    rows = torch.repeat_interleave(torch.arange(n_qb, device=self.device), counts[b, h].long())
-                    slot = torch.arange(int(p[-1] - p[0]), device=self.device) - (p[rows] - p[0])
-                    cols = idx[p[0]:p[-1]].long()
-                    indices[b, h, rows, slot] = cols.to(torch.int32)
-                    tile_of_block[b, h, rows, cols] = n_masks if tiles is None else tiles[p[0]:p[-1]].long()
-            kv_num.append(counts)
-            kv_idx.append(indices)
+        n_kb, (tq, tk), n_masks = self.n_k_blocks, self.tile_shape, self.masks.shape[0]
+        tiles = torch.cat([self.masks, torch.ones(1, tq, tk, dtype=torch.bool, device=self.device),
+                           torch.zeros(1, tq, tk, dtype=torch.bool, device=self.device)])    # (n_masks + 2, tq, tk)
+        table = torch.full((bl * hl * self.n_q_blocks, n_kb), n_masks + 1, dtype=torch.int32,
+                           device=self.device)                                             # (Bl * Hl * n_qb, n_kb)
+        for ptr, idx, tile in ((self.full_ptr, self.full_idx, None), (self.part_ptr, self.part_idx, self.part_mask)):
+            rows = _entry_rows(ptr)                                                                        # (nnz,)
+            table[rows, idx.long()] = n_masks if tile is None else tile
+        table = table.reshape(bl, hl, self.n_q_blocks, n_kb)                                  # (Bl, Hl, n_qb, n_kb)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return tiles_ext[tile_of_block[b % bl, h % hl, q_idx // tq, kv_idx // tk], q_idx % tq, kv_idx % tk]
+            return tiles[table[b % bl, h % hl, q_idx // tq, kv_idx // tk], q_idx % tq, kv_idx % tk]
 
-        return BlockMask.from_kv_blocks(kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], BLOCK_SIZE=self.block_size,
-                                        mask_mod=mask_mod, seq_lengths=(self.n_q, self.n_k))
+        return mask_mod
 
     def check_example_head(self, batch: int, head: int) -> tuple[int, int]:
         batch, head = check_int("batch", batch), check_int("head", head)
@@ -393,6 +443,26 @@ class BlockLayout:
             lines.append("  head 0 ('#' full, '+' partial, '.' skipped):")
             lines += ["  " + "".join(".+#"[state] for state in row) for row in self.block_grid()]
         return "\n".join(lines)
+
+
+def _entry_rows(ptr: torch.Tensor) -> torch.Tensor:
+    """The flat row (example * Hl + head) * n_rows + row of every entry of a CSR index with pointers ``ptr``
+    (Bl, Hl, n_rows + 1), where each (example, head) starts where the previous one ends."""
+    counts = (ptr[..., 1:] - ptr[..., :-1]).reshape(-1).long()                           # (Bl * Hl * n_rows,)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=ptr.device), counts,
+                                   output_size=int(ptr[-1, -1, -1]))                                  # (nnz,)
+
+
+def _flex_rows(ptr: torch.Tensor, idx: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CSR index as FlexAttention's (num_blocks (Bl, Hl, n_rows), indices (Bl, Hl, n_rows, n_cols)) int32: each
+    row's blocks first, in order, then zeros (FlexAttention reads ``indices[..., :num_blocks]``)."""
+    bl, hl, n_rows = ptr.shape[0], ptr.shape[1], ptr.shape[2] - 1
+    num = (ptr[..., 1:] - ptr[..., :-1]).to(torch.int32)                                    # (Bl, Hl, n_rows)
+    rows = _entry_rows(ptr)                                                                           # (nnz,)
+    slot = torch.arange(rows.numel(), device=ptr.device) - ptr[..., :-1].reshape(-1).long()[rows]     # (nnz,)
+    indices = torch.zeros(bl * hl * n_rows, n_cols, dtype=torch.int32, device=ptr.device)  # (Bl*Hl*n_rows, n_cols)
+    indices[rows, slot] = idx[:rows.numel()]
+    return num, indices.reshape(bl, hl, n_rows, n_cols)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ aligned, as FlashAttention and FlexAttention align a decode step); with n_q == n
 Every pattern's definition is in positions.
 
 Imports run one way: this module imports ``rules`` (``mask`` resolves the spec there) and, inside
-``layout()`` only, ``compiler`` (which imports torch, and ``import sparse_attn`` must not); neither
-imports this module. Rules read a spec's ``kind`` tag and its public fields.
+``layout()`` only, ``compiler`` (which imports torch, and ``import sparse_attn`` must not), inside
+``mask_mod()`` only, ``flex`` (the FlexAttention predicate); none of them imports this module. Rules
+and ``flex`` read a spec's ``kind`` tag and its public fields.
 
 Arguments are Python ints of any size (resolving clamps them to the sequence). Combinators nest at
 most ``MAX_DEPTH`` levels, which keeps every tree walk (``==``, ``repr``, pickling, resolving) far
@@ -143,6 +144,29 @@ class Pattern:
 
         return build_layout(self, n_q, n_k, heads, block_size, causal=causal, global_mask=global_mask,
                             key_padding_mask=key_padding_mask, documents=documents)
+
+    def mask_mod(self, n_q: int, n_k: int | None = None, heads: int = 1, *, documents=None, key_padding_mask=None,
+                 global_mask=None, causal: bool = False, device=None):
+        """The pattern as a FlexAttention predicate ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor``, written as
+        a FlexAttention user writes one: arithmetic for windows, strides, global and sink tokens, ``|``, ``&``,
+        ``~`` of the members, a per-head select for ``PerHead``, and a lookup at block granularity only for
+        ``Random`` and ``Blocks``. Call-time data as in :meth:`layout` (per-token lookups); ``device``: where
+        its lookup tables live (default: the call-time data's device, else the CPU).
+
+        >>> import torch
+        >>> from torch.nn.attention.flex_attention import create_block_mask, create_mask
+        >>> p = Local(256) | Global(first=16)                 # ((i - j).abs() <= 256) | (i < 16) | (j < 16)
+        >>> bool((create_mask(p.mask_mod(1000), 1, 1, 1000, 1000)[0] == p.mask(1000)).all())
+        True
+        >>> block_mask = create_block_mask(p.mask_mod(4096), None, None, 4096, 4096, device="cpu")
+
+        ``create_mask(p.mask_mod(n_q, n_k, heads), B, heads, n_q, n_k)`` equals ``p.mask(n_q, n_k, heads)``;
+        with call-time data it equals ``p.layout(..., same data).to_dense()``. See ``sparse_attn.flex``.
+        """
+        from .flex import mask_mod  # here, not at module level: it imports torch
+
+        return mask_mod(self, n_q, n_k, heads, documents=documents, key_padding_mask=key_padding_mask,
+                        global_mask=global_mask, causal=causal, device=device)
 
     @property
     def head_dependent(self) -> bool:
