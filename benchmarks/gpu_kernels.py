@@ -18,9 +18,11 @@ forward+backward of five implementations on identical inputs:
   compiled N x N sweep), compiled afresh for each point and never run eagerly (``compiled_flex``);
 - ``flex-64``: the same with block 64, kernel tiles 64 x 64 forward and backward (FlexAttention's
   default tiles on an H100 are 128 wide, which a 64-block mask does not allow);
-- ``flex-128-max``: ``flex-128`` compiled with ``mode="max-autotune-no-cudagraphs"``: FlexAttention picks
-  its tiles, warps and stages by timing its candidates (about a minute a point; not in the default
-  plan, ``--impls`` names it). The markdown compares triton with the fastest flex, per point and per
+- ``flex-128-max``, ``flex-64-max``: ``flex-128`` and ``flex-64`` compiled with
+  ``mode="max-autotune-no-cudagraphs"``: FlexAttention picks its tiles, warps and stages by timing its
+  candidates (about a minute a point; not in the default plan, ``--impls`` names them). Without it a
+  64-block mask has no backward on an H100/H200 (torch 2.11): FlexAttention filters its default backward
+  tiles (128 wide) against the block before any override applies, and fails with NoValidChoicesError. The markdown compares triton with the fastest flex, per point and per
   pass, and says which block that was;
 - ``sdpa``: dense ``scaled_dot_product_attention`` restricted to the flash kernel (causal for the
   causal pattern), the speed-of-light for the hardware;
@@ -85,8 +87,9 @@ PATTERNS = {  # name: (pattern, causal SDPA baseline)
     "sliding-causal": (sa.Local(1023, 0) & sa.Causal(), True),
 }
 TRITON_BLOCKS = {"triton": 64, "triton-128": 128}  # implementation: the block of its layout
-FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64, "flex-128-max": 128}  # implementation: its BlockMask's block
-FLEX_MODES = {"flex-128-max": "max-autotune-no-cudagraphs"}  # torch.compile mode (default: none): autotuned tiles
+FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64, "flex-128-max": 128, "flex-64-max": 64}  # its BlockMask's block
+FLEX_MODES = {"flex-128-max": "max-autotune-no-cudagraphs",  # torch.compile mode (default: none): tiles, warps
+              "flex-64-max": "max-autotune-no-cudagraphs"}   # and stages chosen by timing the candidates
 FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64,  # block: kernel tiles that divide it
                    "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}}
 BLOCKS = TRITON_BLOCKS | FLEX_BLOCKS
@@ -187,7 +190,7 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
     if impl in FLEX_BLOCKS:
         block_mask = layout.to_block_mask()
         flex = compiled_flex(FLEX_MODES.get(impl))
-        tiles = FLEX_TILES.get(layout.block_size)
+        tiles = None if impl in FLEX_MODES else FLEX_TILES.get(layout.block_size)  # autotuning picks its own
         return (lambda: flex(q, k, v, block_mask=block_mask, kernel_options=tiles)), {}
     if impl == "masked-sdpa":
         mask = layout.row_mask(0, layout.n_q_blocks)                        # (1, 1|H, N, N) bool
@@ -453,7 +456,7 @@ def figure(record: dict, path: Path) -> None:
     quantities = (("fwd_bwd_ms", "f+b ms"), ("fwd_bwd_peak_mb", "f+b peak MiB above inputs"))
     fig, axes = plt.subplots(len(quantities) * len(dims), len(PATTERNS), squeeze=False,
                              figsize=(4.6 * len(PATTERNS), 3.4 * len(quantities) * len(dims)))
-    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "v--", "k:", "x-.")))
+    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "v--", "<--", "k:", "x-.")))
     for q, (key, label) in enumerate(quantities):
         for d, head_dim in enumerate(dims):
             for p, pattern in enumerate(PATTERNS):

@@ -9,6 +9,7 @@
     python benchmarks/gpu_session.py all       # <= 8 min: check, the targets, 1M, decode, tests, triton's profile
     python benchmarks/gpu_session.py fair      # ~6 min: the peers' knobs (flex-64, autotuned flex), Flex on our
                                                # exported BlockMask vs create_block_mask, decode (--resume of all)
+    python benchmarks/gpu_session.py autotune  # ~4 min: flex-64-max (autotuned, the only flex-64 with a backward)
     python benchmarks/gpu_session.py tests --dry-run     # print the commands, run nothing (no GPU needed)
 
 Every stage writes into ``--out`` (default: ``$OUT``, the folder a GPU machine lent by the device tool
@@ -35,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PYTHON = sys.executable
-RESUMED = {"tune": "triton_tune.json", "bench": "gpu_kernels.json", "fair": "gpu_kernels.json"}  # a stage's rows, kept by its --resume
+RESUMED = {"tune": "triton_tune.json", "bench": "gpu_kernels.json", "fair": "gpu_kernels.json",
+           "autotune": "gpu_kernels.json"}  # a stage's rows, kept by its --resume
 
 def check(out: Path) -> None:
     """The GPU as found (nvidia-smi: driver, clocks, temperature) and the two ceilings every kernel is judged
@@ -232,6 +234,10 @@ def stages(out: Path) -> dict[str, list]:
                   "--budget-s", "100"],
                  [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "flex-128-max", "--patterns",
                   "sliding-causal", "--no-million", "--budget-s", "150"]],
+        "autotune": [[PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kv_cache.py", "-k", "triton",
+                      "--junitxml", str(out / "gpu_kv_cache_tests.xml")],
+                     [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "flex-64-max", "--no-million",
+                      "--budget-s", "150"]],
         "all": [check,
                 [*kernels, "--n", "32768", "--head-dim", "64", "128", "--impls", "triton", "triton-128", "flex-128",
                  "sdpa", "--no-million", "--budget-s", "200"],
@@ -269,7 +275,8 @@ def _call(function) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile", "decode", "all", "fair"])
+    parser.add_argument("stage", choices=["check", "tests", "tune", "bench", "profile", "decode", "all", "fair",
+                                                 "autotune"])
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"),
                         help="where the stage writes its files (default: $OUT)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and run nothing")
