@@ -204,17 +204,22 @@ def _fwd_kernel(Q, K, V, Out, Lse, PieceOut, PieceLse, Items,
 
 
 @triton.jit
+def _split_row(Splits, fanout, head_fanout):
+    """This program's split row or column (see ``work_split``): (block, first slot, pieces, b, h, f)."""
+    pid = tl.program_id(0)
+    split = Splits + (pid // fanout) * 5
+    f = pid % fanout
+    return (tl.load(split), tl.load(split + 1), tl.load(split + 2), tl.load(split + 3) + f // head_fanout,
+            tl.load(split + 4) + f % head_fanout, f)
+
+
+@triton.jit
 def _merge_kernel(PieceOut, PieceLse, Out, Lse, Splits,
                   stride_ob, stride_oh, stride_on, stride_od,
                   n_q, heads, fanout, head_fanout,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     """The forward output of a split row from its pieces: out = sum_p w_p out_p / sum_p w_p, w_p = exp(lse_p - m)."""
-    pid = tl.program_id(0)
-    split = Splits + (pid // fanout) * 5
-    f = pid % fanout
-    row, first, count = tl.load(split), tl.load(split + 1), tl.load(split + 2)
-    b = tl.load(split + 3) + f // head_fanout
-    h = tl.load(split + 4) + f % head_fanout
+    row, first, count, b, h, f = _split_row(Splits, fanout, head_fanout)
     offs = tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -242,12 +247,7 @@ def _sum_kernel(Pieces, Out, Splits, scale, n, heads, fanout, head_fanout,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     """A gradient block of a split row (dQ) or column (dK, dV): the sum of its pieces, in slot order, times
     ``scale``, into the contiguous (B, H, n, HEAD_DIM) ``Out``."""
-    pid = tl.program_id(0)
-    split = Splits + (pid // fanout) * 5
-    f = pid % fanout
-    blk, first, count = tl.load(split), tl.load(split + 1), tl.load(split + 2)
-    b = tl.load(split + 3) + f // head_fanout
-    h = tl.load(split + 4) + f % head_fanout
+    blk, first, count, b, h, f = _split_row(Splits, fanout, head_fanout)
     offs = tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
