@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.bench.results import header, write_results
 from sparse_attn.distributed import combine_partials, sparse_attention
 from sparse_attn.shard_plan import ShardPlan
 
@@ -546,7 +547,7 @@ def main() -> None:
         args.n, args.ranks, args.measured_n, args.measured_ranks, args.repeats = [65_536, 131_072], [2, 4, 8], \
             [16_384], [2], 1
     os.environ["NUMBA_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = "1"       # for the spawned workers
-    where = machine.benchmark_header(("torch", "numba"))
+    where = header(("torch", "numba"))
     started = time.perf_counter()
     computed = run_computed(sorted(args.n), sorted(args.ranks))
     measured = run_measured(sorted(args.measured_n), sorted(args.measured_ranks), args.repeats, args.limit)
@@ -554,7 +555,7 @@ def main() -> None:
     record = {"command": " ".join(["python benchmarks/context_parallel.py", *sys.argv[1:]]), "machine": where,
               "sizes": sorted(args.n), "ranks": sorted(args.ranks), "repeats": args.repeats,
               "wall_s": time.perf_counter() - started, "computed": computed, "measured": measured}
-    print(machine.write_results(args.out, "context_parallel", record, markdown, figure))
+    print(write_results(args.out, "context_parallel", record, markdown, {"context_parallel.png": figure}))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +44,8 @@ import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
 from sparse_attn.backends import numba_bf16
+from sparse_attn.bench.harness import run_json
+from sparse_attn.bench.results import header, write_results
 
 BATCH, HEADS, DIM = 1, 8, 64
 PATTERN = sa.Local(256) | sa.Global(first=16)
@@ -176,7 +175,7 @@ def scale_point(n: int, backward: bool) -> dict:
     start = time.perf_counter()
     layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
     layout_s = time.perf_counter() - start
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base_rss = machine.process_peak_bytes()
     start = time.perf_counter()
     if backward:
         out = sparse_attention(q, k, v, layout, backend="numba")
@@ -185,7 +184,7 @@ def scale_point(n: int, backward: bool) -> dict:
         with torch.no_grad():
             out = sparse_attention(q, k, v, layout, backend="numba")
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = machine.process_peak_bytes()
     tensor_bytes = 4 * BATCH * HEADS * n * DIM
     return {"n": n, "backward": backward, "seconds": seconds, "layout_s": layout_s,
             "peak_rss_gib": peak / 2 ** 30, "rss_before_call_gib": base_rss / 2 ** 30,
@@ -197,11 +196,8 @@ def run_scale_points() -> list[dict]:
     points = []
     for n, backward in SCALE_POINTS:
         cmd = [sys.executable, __file__, "--scale-point", str(n)] + (["--backward"] if backward else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            points.append({"n": n, "backward": backward, "error": proc.stderr.strip().splitlines()[-1:]})
-        else:
-            points.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        point = run_json(cmd)
+        points.append({"n": n, "backward": backward, "error": point["error"]} if "error" in point else point)
         print(points[-1], flush=True)
     return points
 
@@ -265,13 +261,11 @@ def _target_lines(results, mm_gflops) -> list[str]:
     return lines
 
 
-def write(out_dir: Path, record: dict, command: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cpu_kernels.json").write_text(json.dumps(record, indent=2) + "\n")
+def markdown(record: dict) -> str:
     m = record["machine"]
     lines = [
         "# CPU kernels: numba vs FlexAttention, reference and dense SDPA, float32 and bfloat16", "",
-        f"`{command}`", "",
+        f"`{record['command']}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"numba {m['numba']} ({m['numba_threads']} threads); load average {tuple(m['loadavg_before'])} before, "
         f"{tuple(m['loadavg_after'])} after, before each N: "
@@ -322,7 +316,7 @@ def write(out_dir: Path, record: dict, command: str) -> None:
             else:
                 lines.append(f"| {p['n']} | {'fwd+bwd' if p['backward'] else 'forward'} | {p['seconds']:.1f} | "
                              f"{p['peak_rss_gib']:.1f} | {p['one_qkv_tensor_gib']:.2f} |")
-    (out_dir / "cpu_kernels.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -341,9 +335,8 @@ def main() -> None:
         print(json.dumps(scale_point(args.scale_point, args.backward)))
         return
     lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
-    where = {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
-             **machine.versions(("torch", "numba")), "torch_threads": torch.get_num_threads(),
-             "numba_threads": numba.get_num_threads(), "loadavg_before": machine.load_average()}
+    where = {**header(("torch", "numba")), "torch_threads": torch.get_num_threads(),
+             "numba_threads": numba.get_num_threads()}
     results, rates, load_by_n = run_sizes(lengths, args.impls, repeats)
     scale = [] if args.quick or args.no_scale else run_scale_points()
     where["loadavg_after"] = machine.load_average()
@@ -353,8 +346,7 @@ def main() -> None:
               "repeats": repeats, **rates, "results": results, "scale": scale,
               "flex_mask_mod": FLEX_MASK_MOD}
     record["command"] = " ".join(["python benchmarks/cpu_kernels.py", *sys.argv[1:]])
-    write(args.out, record, record["command"])
-    print((args.out / "cpu_kernels.md").read_text())
+    print(write_results(args.out, "cpu_kernels", record, markdown))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -59,6 +58,8 @@ import torch.nn.functional as F
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.bench.harness import run_json
+from sparse_attn.bench.results import header, write_results
 
 PATTERN = sa.Local(4095, 0) | sa.Sink(first=4)
 PATTERN_NAME = "Local(4095, 0) | Sink(first=4)"
@@ -248,8 +249,8 @@ def equality_point(tokens: int) -> dict:
 # ----------------------------------------------------------------------------------------------------- driver
 
 def _child(args: list[str], limit_s: float) -> dict:
-    """Run ``--point ...`` in a fresh process with one thread: its JSON, or {"error": why}."""
-    return machine.run_json([sys.executable, __file__, "--point", *args], limit_s, env=os.environ | ONE_THREAD)
+    """Run ``--point ...`` in a fresh process with one thread: its JSON, or {"status": ..., "error": why}."""
+    return run_json([sys.executable, __file__, "--point", *args], limit_s, env=ONE_THREAD)
 
 
 def run_decode(sizes, rounds: int, steps: int, limit_s: float) -> list[dict]:
@@ -422,7 +423,7 @@ def main() -> None:
         return
     if args.quick:
         args.n, args.rounds, args.steps, args.generate_tokens, args.equality_tokens = [4096, 8192], 1, 8, 512, 400
-    where = machine.benchmark_header(("torch", "numba", "transformers"))
+    where = header(("torch", "numba", "transformers"))
     started = time.perf_counter()
     decode = run_decode(sorted(args.n), args.rounds, args.steps, args.limit)
     equality = _child(["equality", str(args.equality_tokens)], args.limit)
@@ -435,7 +436,7 @@ def main() -> None:
               "pattern": PATTERN_NAME, "heads": [Q_HEADS, KV_HEADS], "head_dim": DIM, "dtype": "float32",
               "sizes": sorted(args.n), "rounds": args.rounds, "steps": args.steps,
               "wall_s": time.perf_counter() - started, "decode": decode, "equality": equality, "generate": generate}
-    print(machine.write_results(args.out, "decode", record, markdown, figure))
+    print(write_results(args.out, "decode", record, markdown, {"decode.png": figure}))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import re
-import resource
 import statistics
 import sys
 import time
@@ -55,6 +54,8 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.bench.harness import run_json
+from sparse_attn.bench.results import header, write_results
 
 PATTERN = sa.Local(256) | sa.Global(first=1)
 PATTERN_NAME = "Local(256) | Global(first=1)"
@@ -103,8 +104,7 @@ class PeakRSS:
     """
 
     def __enter__(self):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        machine.reset_peak_rss()
         self.before = machine.status_bytes("VmRSS")
         return self
 
@@ -267,18 +267,8 @@ def attention_point(doc_set: str, n: int, repeats: int) -> dict:
 # ----------------------------------------------------------------------------------------------------- driver
 
 def _child(args: list[str], limit_s: float, memory_gib: float) -> dict:
-    """Run ``--point ...`` in a fresh process: its JSON, or {"error": why}."""
-    def limit_memory():
-        size = int(memory_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (size, size))
-
-    def explain(last: str, status: int) -> str:
-        if "alloc" in last or "MemoryError" in last or status == -9:
-            return f"out of memory under the {memory_gib:g} GiB limit: {last}"
-        return last
-
-    return machine.run_json([sys.executable, __file__, "--point", *args], limit_s, explain,
-                            preexec_fn=limit_memory)
+    """Run ``--point ...`` in a fresh process: its JSON, or {"status": ..., "error": why}."""
+    return run_json([sys.executable, __file__, "--point", *args], limit_s, memory_gib=memory_gib)
 
 
 def _not_run_reason(done: list[dict], impl: str, doc_set: str, n: int, limit_s: float) -> str | None:
@@ -524,7 +514,7 @@ def main() -> None:
         print(json.dumps(run_point(args.point)))
         return
     sizes, repeats = ([16_384], 2) if args.quick else (sorted(args.n), args.repeats)
-    where = machine.benchmark_header(("torch", "numba"))
+    where = header(("torch", "numba"))
     started = time.perf_counter()
     layouts = run_layouts(sizes, repeats, args.limit, args.memory_gib)
     attention = run_attention([n for n in sizes if n <= args.attention_max], repeats, 2 * args.limit,
@@ -534,7 +524,7 @@ def main() -> None:
               "pattern": PATTERN_NAME, "block_size": BLOCK, "heads": HEADS, "head_dim": DIM, "dtype": "float32",
               "sizes": sizes, "repeats": repeats, "limit_s": args.limit, "memory_gib": args.memory_gib,
               "wall_s": time.perf_counter() - started, "layouts": layouts, "attention": attention}
-    print(machine.write_results(args.out, "documents", record, markdown, figure))
+    print(write_results(args.out, "documents", record, markdown, {"documents.png": figure}))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
-from sparse_attn.machine import cuda_usable, error_text, gpu, resumed_rows, versions, write_results  # noqa: E402
+from sparse_attn.bench.harness import cuda_usable  # noqa: E402
+from sparse_attn.bench.results import error_text, resumed_rows, write_results  # noqa: E402
+from sparse_attn.machine import gpu, versions  # noqa: E402
 
 DEVICE = "cuda"
 HEADS = 16
@@ -311,7 +313,7 @@ def write(out: Path, meta: dict, rows: list[dict], pending: list[tuple], plot: b
     left as it is, drawing the whole plan's takes 1.6 s on a 2-core CPU), each replaced whole."""
     record = {"meta": meta, "rows": rows, "not_measured": [dict(zip(KEY, point)) for point in pending]}
     write_results(out, STEM, record, lambda r: to_markdown(r["rows"], r["meta"], len(r["not_measured"])),
-                  figure if plot else None)
+                  {f"{STEM}.png": figure} if plot else None)
 
 
 def _footnote(row: dict, errors: list[str]) -> str:

@@ -55,8 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout 
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
 from sparse_attn.backends import triton_gpu  # noqa: E402
-from sparse_attn.machine import (benchmark_header, cuda_usable, error_text, gpu, load_average,  # noqa: E402
-                                 resumed_rows, write_results)
+from sparse_attn.bench.harness import cuda_usable  # noqa: E402
+from sparse_attn.bench.results import error_text, header, resumed_rows, write_results  # noqa: E402
+from sparse_attn.machine import gpu, load_average  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ERROR_BOUNDS = {"bf16": 2e-2, "fp16": 4e-3, "fp32": 1e-5}  # relative Frobenius error against the default setting
@@ -338,7 +339,7 @@ def load_rows(path: Path, meta: dict) -> list[dict]:
 def machine(args: argparse.Namespace) -> dict:
     """The set-up and the sweep the rows were measured on; ``--resume`` compares its ``RESUME_META``."""
     shared_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
-    return {**benchmark_header(("torch", "triton")), **gpu(), "shared_memory_per_block": shared_memory,
+    return {**header(("torch", "triton")), **gpu(), "shared_memory_per_block": shared_memory,
             "batch": BATCH, "heads": HEADS, "n": args.n, "pattern": PATTERN_TEXT, "error_bounds": ERROR_BOUNDS,
             "command": " ".join(["python", *sys.argv])}
 

@@ -1,9 +1,27 @@
-"""The benchmark library: settings, implementations, the sweep and its tables (the command is in test_cli)."""
+"""The benchmark harness: settings, the implementations, running a point in a fresh process (and that the scripts
+run theirs so), the sweep and its tables, results files and --resume (the command is in test_cli)."""
+import importlib.util
+import json
+import sys
 import warnings
+from pathlib import Path
+
+import pytest
+import torch
 
 import sparse_attn as sa
 from sparse_attn import bench
-from sparse_attn.bench import implementations
+from sparse_attn.bench import harness, implementations, results
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def script(name: str):
+    """benchmarks/NAME.py as a module (not run)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _flex_has_cpu_backward() -> bool:
@@ -64,8 +82,6 @@ def test_tables_put_each_reason_once_under_its_table():
     assert text.count("Cells: time (s)") == 1
 
 
-
-
 def test_settings_take_what_is_given_and_the_rest_from_quick_or_default():
     assert bench.settings() == bench.DEFAULT and bench.settings(quick=True) == bench.QUICK
     assert bench.DEFAULT.patterns == tuple(bench.PATTERNS)
@@ -74,3 +90,85 @@ def test_settings_take_what_is_given_and_the_rest_from_quick_or_default():
     assert chosen == bench.Settings(patterns=("bigbird-itc",), lengths=(1024, 4096), implementations=("flex",),
                                     repeats=bench.QUICK.repeats, timeout=5.0)
     assert bench.settings(repeats=7).lengths == bench.DEFAULT.lengths
+
+
+# ------------------------------------------------------------------------------------------------
+# The scripts run on the same harness
+# ------------------------------------------------------------------------------------------------
+def test_the_scripts_run_the_harness_of_one_module():
+    """One subprocess runner, one writer, one --resume: the scripts take them from sparse_attn.bench."""
+    cpu_kernels, documents, decode = script("cpu_kernels"), script("documents"), script("decode")
+    layout_build, gpu_kernels = script("layout_build"), script("gpu_kernels")
+    for module in (cpu_kernels, documents, decode, layout_build):
+        assert module.run_json is harness.run_json and module.write_results is results.write_results
+    assert gpu_kernels.write_results is results.write_results and gpu_kernels.resumed_rows is results.resumed_rows
+    assert gpu_kernels.cuda_usable is harness.cuda_usable
+
+
+@pytest.mark.parametrize("name", ["cpu_kernels", "layout_build"])
+def test_committed_table_is_rendered_from_the_committed_json(name):
+    record = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
+    assert script(name).markdown(record) == (BENCHMARKS / "results" / f"{name}.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a point in a fresh process
+# ------------------------------------------------------------------------------------------------
+def test_run_json_sets_the_environment_and_limits_memory():
+    code = "import os, json; print(json.dumps({'threads': os.environ['OMP_NUM_THREADS']}))"
+    assert harness.run_json([sys.executable, "-c", code], 60, env={"OMP_NUM_THREADS": "1"}) == {"threads": "1"}
+    grab = "import json; block = bytearray(3 * 2**30); print(json.dumps({'ok': True}))"
+    result = harness.run_json([sys.executable, "-c", grab], 60, memory_gib=1)
+    assert result["status"] == "oom" and result["error"].startswith("out of memory under the 1 GiB limit: ")
+    crash = "import json, os; print(json.dumps({'ms': 1.0}), flush=True); os.abort()"
+    assert harness.run_json([sys.executable, "-c", crash], 60) == {"ms": 1.0}   # died after its result: kept
+
+
+def test_cuda_usable_is_false_once_an_error_broke_the_context(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch, "ones", lambda size, device: torch.full((size,), 1.0))
+    assert harness.cuda_usable()
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    assert not harness.cuda_usable()
+
+
+# ------------------------------------------------------------------------------------------------
+# Results files and --resume
+# ------------------------------------------------------------------------------------------------
+def test_write_results_replaces_each_file_whole(tmp_path):
+    def markdown(record):
+        return f"{len(record['rows'])} rows\n"
+
+    def figure(record, path):
+        path.write_bytes(b"png")
+
+    assert results.write_results(tmp_path / "out", "demo", {"rows": [1]}, markdown, {"demo.png": figure}) == "1 rows\n"
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md", "demo.png"]
+
+    def killed(record, path):
+        path.write_bytes(b"half a p")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        results.write_results(out, "demo", {"rows": [1, 2]}, markdown, {"demo.png": killed})
+    assert json.loads((out / "demo.json").read_text()) == {"rows": [1, 2]} and (out / "demo.md").read_text() == "2 rows\n"
+    assert (out / "demo.png").read_bytes() == b"png"                          # the previous figure, whole
+    assert results.write_results(out, "demo", {"rows": []}, markdown) == "0 rows\n"      # no figure: the png stays
+    assert sorted(p.name for p in out.iterdir()) == [".demo.partial.png", "demo.json", "demo.md", "demo.png"]
+    assert (out / "demo.png").read_bytes() == b"png"
+
+
+def test_resumed_rows_keeps_rows_of_the_same_setup_and_refuses_others(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "n": 4096},
+                                "rows": [{"ms": 1.5}]}))
+    assert results.resumed_rows(path, {"gpu": "NVIDIA H100 80GB HBM3", "n": 4096}) == [{"ms": 1.5}]
+    assert results.resumed_rows(path, {}) == [{"ms": 1.5}]
+    with pytest.raises(SystemExit, match=r"^--resume: .*results.json was measured on another set-up \(gpu: 'NVIDIA "
+                                         r"H100 80GB HBM3' there, 'NVIDIA A100' here; n: 4096 there, 8192 here\)\. "):
+        results.resumed_rows(path, {"gpu": "NVIDIA A100", "driver": "550.54.15", "n": 8192})

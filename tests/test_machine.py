@@ -1,8 +1,6 @@
-"""Where something ran: the facts bench, info and benchmarks/ record, and how benchmarks write and resume results."""
-import json
+"""Where something ran: the facts bench, info and benchmarks/ record."""
 import subprocess
 
-import pytest
 import torch
 
 from sparse_attn import machine
@@ -46,48 +44,10 @@ def test_gpu_records_the_current_devices_name_memory_driver_and_cuda(monkeypatch
                              "cuda": torch.version.cuda}
 
 
-def test_cuda_usable_is_false_once_an_error_broke_the_context(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch, "ones", lambda size, device: torch.full((size,), 1.0))
-    assert machine.cuda_usable()
-
-    def broken():
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(torch.cuda, "synchronize", broken)
-    assert not machine.cuda_usable()
-
-
-def test_write_results_replaces_each_file_whole(tmp_path):
-    def markdown(record):
-        return f"{len(record['rows'])} rows\n"
-
-    def figure(record, path):
-        path.write_bytes(b"png")
-
-    assert machine.write_results(tmp_path / "out", "demo", {"rows": [1]}, markdown, figure) == "1 rows\n"
-    out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md", "demo.png"]
-
-    def killed(record, path):
-        path.write_bytes(b"half a p")
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        machine.write_results(out, "demo", {"rows": [1, 2]}, markdown, killed)
-    assert json.loads((out / "demo.json").read_text()) == {"rows": [1, 2]} and (out / "demo.md").read_text() == "2 rows\n"
-    assert (out / "demo.png").read_bytes() == b"png"                          # the previous figure, whole
-    assert machine.write_results(out, "demo", {"rows": []}, markdown) == "0 rows\n"      # no figure: the png stays
-    assert sorted(p.name for p in out.iterdir()) == [".demo.partial.png", "demo.json", "demo.md", "demo.png"]
-    assert (out / "demo.png").read_bytes() == b"png"
-
-
-def test_resumed_rows_keeps_rows_of_the_same_setup_and_refuses_others(tmp_path):
-    path = tmp_path / "results.json"
-    path.write_text(json.dumps({"meta": {"gpu": "NVIDIA H100 80GB HBM3", "driver": "550.54.15", "n": 4096},
-                                "rows": [{"ms": 1.5}]}))
-    assert machine.resumed_rows(path, {"gpu": "NVIDIA H100 80GB HBM3", "n": 4096}) == [{"ms": 1.5}]
-    assert machine.resumed_rows(path, {}) == [{"ms": 1.5}]
-    with pytest.raises(SystemExit, match=r"^--resume: .*results.json was measured on another set-up \(gpu: 'NVIDIA "
-                                         r"H100 80GB HBM3' there, 'NVIDIA A100' here; n: 4096 there, 8192 here\)\. "):
-        machine.resumed_rows(path, {"gpu": "NVIDIA A100", "driver": "550.54.15", "n": 8192})
+def test_peak_rss_since_a_reset_sees_a_new_allocation_and_the_process_peak_is_above_it():
+    machine.reset_peak_rss()
+    before = machine.status_bytes("VmRSS")
+    block = torch.ones(2**25, dtype=torch.uint8)                               # 32 MiB, touched
+    assert machine.status_bytes("VmHWM") - before >= 2**25 * 0.9
+    del block
+    assert machine.process_peak_bytes() >= machine.status_bytes("VmHWM")

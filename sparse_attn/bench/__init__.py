@@ -7,17 +7,21 @@
 >>> results = bench.sweep(patterns, [1024, 2048], ["sparse_attn-numba", "sdpa-dense"])  # doctest: +SKIP
 >>> bench.write(results, Path("bench-out"))  # results.json, results.md, time.png, memory.png  # doctest: +SKIP
 
+``sparse-attn bench`` runs on it, and the scripts in ``benchmarks/`` run points and write results with it.
 One module per job:
 
 - ``config``: the patterns and implementations by name, the default and ``--quick`` settings;
 - ``implementations``: whether each implementation runs here, and the call it times;
-- ``harness``: one point measured in a fresh ``python -m sparse_attn.bench`` process (how time and
-  memory are measured is in its docstring);
+- ``harness``: a point in a fresh process (``run_json``; the sweep's child, which measures time and memory
+  as its docstring says), and whether CUDA survived a point;
 - ``runner``: the sweep over every (pattern, implementation, N) point;
-- ``report``: results.json, results.md and the figures.
+- ``results``: the files of any benchmark (JSON, markdown, figures, each replaced whole), ``--resume``, the
+  machine header of a record, a failure as a row records it;
+- ``report``: the sweep's results.json, results.md and figures.
 
-Where it ran (versions, CPUs, load average) comes from ``sparse_attn.machine``. torch is imported
-inside the functions that use it, so ``sparse-attn --help`` reads ``config`` without paying for it.
+What the machine is (versions, CPUs, GPU, load average, memory readings) comes from ``sparse_attn.machine``.
+torch is imported inside the functions that use it, so ``sparse-attn --help`` reads ``config`` without paying
+for it.
 """
 from .config import DEFAULT, IMPLEMENTATIONS, PATTERNS, QUICK, Settings, settings
 from .implementations import availability, unavailable_reasons

@@ -1,14 +1,19 @@
-"""One (pattern, implementation, N) point, measured in a fresh process so that its memory is its own.
+"""Points measured in fresh processes, for ``sparse-attn bench`` and every script in ``benchmarks/``.
 
-The parent calls ``run_point(point)``, which starts ``python -m sparse_attn.bench POINT_JSON`` (the
-package's ``__main__``, which calls ``child``) and reads the result back. In the child, after the
-imports and after q, k, v exist:
+``run_json(command, limit_s)`` runs a process that prints its result as JSON on its last line, under a time
+limit and optionally an address-space limit, and turns a time-out, out-of-memory or a crash into a status:
+the one way a benchmark runs something in a fresh process, so that its memory is its own. ``cuda_usable``
+says whether a point left CUDA working (the GPU scripts stop when it did not).
+
+``sparse-attn bench``'s points: the parent calls ``run_point(point)``, which runs ``python -m sparse_attn.bench
+POINT_JSON`` (the package's ``__main__``, which calls ``child``). In the child, after the imports and after
+q, k, v exist:
 
 0. a short run of the implementation (N <= 1024) loads its libraries and JIT code;
 1. ``setup``: build what the implementation needs from the pattern (a BlockLayout, a dense mask,
    a FlexAttention BlockMask and the compiled kernel, HF's layer), then one warm-up call (JIT and
    compilation happen here, outside the measurement);
-2. reset the process high-water mark (``/proc/self/clear_refs``; on CUDA
+2. reset the process high-water mark (``machine.reset_peak_rss``; on CUDA
    ``torch.cuda.reset_peak_memory_stats``), then time ``repeats`` calls. When the warm-up call
    alone took more than a third of ``timeout``, it is the measurement (``"measured"`` says so) and
    the memory is the peak over setup and that call.
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from .. import machine
 from ..pattern import Pattern
 from .implementations import setup
 
@@ -37,40 +43,88 @@ from .implementations import setup
 # ------------------------------------------------------------------------------------------------
 # The parent
 # ------------------------------------------------------------------------------------------------
-def run_point(point: dict) -> dict:
-    """Run one point in a fresh process; out-of-memory, crashes and time-outs become a status."""
-    limit = int(point["memory_limit_gb"] * 2**30) if point.get("memory_limit_gb") else None
+def run_json(command: list[str], limit_s: float | None = None, *, memory_gib: float | None = None,
+             env: dict[str, str] | None = None) -> dict:
+    """Run ``command``, a process that prints its result as JSON on its last line of stdout, within ``limit_s``
+    seconds (None: no limit) and, with ``memory_gib``, that much address space (allocations past it fail in the
+    process, not in its neighbours); ``env``: variables set on top of this process's environment.
 
-    def preexec():  # address-space cap: allocations past it fail in the child, not in the neighbours
-        if limit:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    Its JSON (also when it died after printing it), else ``{"status": "timeout" | "oom" | "error", "error":
+    why}``: the time limit; SIGKILL (the out-of-memory killer); or the last line of its stderr (or its exit
+    status), "oom" where that line speaks of memory or allocation. Cut to 300 characters.
 
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # numba's BLAS calls run inside its own worker threads
-    start = time.perf_counter()
+    >>> import sys
+    >>> run_json([sys.executable, "-c", "print('warming up'); print('{\\"ms\\": 2.5}')"], 60)
+    {'ms': 2.5}
+    >>> run_json([sys.executable, "-c", "raise SystemExit('out of memory')"], 60, memory_gib=8)
+    {'status': 'oom', 'error': 'out of memory under the 8 GiB limit: out of memory'}
+    >>> run_json([sys.executable, "-c", "import sys; sys.exit(3)"], 60)
+    {'status': 'error', 'error': 'exit status 3'}
+    >>> run_json([sys.executable, "-c", "import time; time.sleep(5)"], 1)
+    {'status': 'timeout', 'error': 'did not finish within the 1 s limit'}
+    """
+    def limit_memory():  # in the child, before it runs command
+        size = int(memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (size, size))
+
     try:
-        proc = subprocess.run([sys.executable, "-m", "sparse_attn.bench", json.dumps(point)], capture_output=True,
-                              text=True, timeout=point["timeout"], env=env, preexec_fn=preexec)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=limit_s, env={**os.environ, **(env or {})},
+                              preexec_fn=limit_memory if memory_gib else None)
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "error": f"ran past {point['timeout']} s"}
-    wall = time.perf_counter() - start
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if lines:
-        return {**json.loads(lines[-1][len("RESULT "):]), "wall_s": wall}
+        return {"status": "timeout", "error": f"did not finish within the {limit_s:g} s limit"}
+    printed = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(printed[-1]) if printed else None
+    except json.JSONDecodeError:
+        result = None
+    if isinstance(result, dict):
+        return result
     if proc.returncode in (-9, 137):
-        return {"status": "oom", "error": "killed (SIGKILL, most likely the out-of-memory killer)"}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    return {"status": "oom" if _is_oom(tail[0]) else "error", "error": tail[0][:300]}
+        status, why = "oom", "killed (SIGKILL, most likely the out-of-memory killer)"
+    else:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit status {proc.returncode}"
+        status = "oom" if _is_oom(why) else "error"
+    if status == "oom" and memory_gib:
+        why = f"out of memory under the {memory_gib:g} GiB limit: {why}"
+    return {"status": status, "error": why[:300]}
 
 
 def _is_oom(message: str) -> bool:
     return "memory" in message.lower() or "alloc" in message.lower()
 
 
+def run_point(point: dict) -> dict:
+    """One ``sparse-attn bench`` point in a fresh process (``child``), with its wall time; out-of-memory,
+    crashes and time-outs become its status."""
+    start = time.perf_counter()
+    result = run_json([sys.executable, "-m", "sparse_attn.bench", json.dumps(point)], point["timeout"],
+                      memory_gib=point.get("memory_limit_gb"),
+                      env={"OPENBLAS_NUM_THREADS": "1"})  # numba's BLAS calls run inside its own worker threads
+    return {**result, "wall_s": time.perf_counter() - start}
+
+
+def cuda_usable() -> bool:
+    """True after a measurement that left CUDA working: frees its memory (garbage, the allocator's cache)
+    first; False if an error (an illegal memory access, say) left the CUDA context unusable."""
+    import gc
+
+    import torch
+
+    gc.collect()                                                             # autograd graphs, tracebacks
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.ones(1, device="cuda").item() == 1.0
+    except RuntimeError:
+        return False
+
+
 # ------------------------------------------------------------------------------------------------
 # The child
 # ------------------------------------------------------------------------------------------------
 def child() -> None:
-    """Measure the point given as JSON in ``sys.argv[1]``; print ``RESULT {...}`` for the parent."""
+    """Measure the point given as JSON in ``sys.argv[1]``; print the result as JSON, the last line, for the parent."""
     import torch
 
     point = json.loads(sys.argv[1])
@@ -83,7 +137,7 @@ def child() -> None:
     except RuntimeError as error:
         message = str(error)
         result = {"status": "oom" if _is_oom(message) else "error", "error": message.splitlines()[0][:300]}
-    print("RESULT " + json.dumps(result), flush=True)
+    print(json.dumps(result), flush=True)
 
 
 def measure(point: dict) -> dict:
@@ -110,8 +164,8 @@ def measure(point: dict) -> dict:
     # load libraries and JIT code with a short run first, so they stay out of the measurement
     call(setup(name, pattern, *inputs(min(n, 1024)), point["block_size"]))
     q, k, v = inputs(n)
-    before = torch.cuda.memory_allocated() / 2**20 if cuda else _status_mb("VmRSS")
-    reset_peak = torch.cuda.reset_peak_memory_stats if cuda else _reset_high_water
+    before = (torch.cuda.memory_allocated() if cuda else machine.status_bytes("VmRSS")) / 2**20
+    reset_peak = torch.cuda.reset_peak_memory_stats if cuda else machine.reset_peak_rss
     reset_peak()
     fn = setup(name, pattern, q, k, v, point["block_size"])
     start = time.perf_counter()
@@ -128,18 +182,7 @@ def measure(point: dict) -> dict:
             times.append(time.perf_counter() - start)
             if sum(times) + first_s > point["timeout"] / 3:  # enough to know; leave time for the rest
                 break
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mb("VmHWM")
+    peak = (torch.cuda.max_memory_allocated() if cuda else machine.status_bytes("VmHWM")) / 2**20
     return {"status": "ok", "time_s": statistics.median(times), "times_s": times, "first_call_s": first_s,
             "measured": timed, "memory_mb": peak - before,
-            "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _status_mb(field: str) -> float:
-    """A memory field of /proc/self/status ("VmRSS": resident now, "VmHWM": its high-water mark)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
-
-
-def _reset_high_water() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+            "process_peak_mb": machine.process_peak_bytes() / 2**20}

@@ -8,8 +8,9 @@
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .results import write_results
 
 LEGEND = ("Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its memory "
           "includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, `error` = failed, "
@@ -18,23 +19,16 @@ LEGEND = ("Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up 
 
 
 def write(results: dict, out: Path) -> list[Path]:
-    """results.json, results.md, time.png and memory.png under ``out``; returns their paths."""
+    """results.json, results.md, time.png and memory.png under ``out``, each replaced whole; returns their
+    paths."""
     from .. import viz
 
-    write_json(results, out)
-    (out / "results.md").write_text(markdown(results))
-    paths = [out / "results.json", out / "results.md"]
-    for metric in ("time", "memory"):
-        figure = viz.plot_bench(results, metric)
-        figure.savefig(out / f"{metric}.png", dpi=110, bbox_inches="tight")
-        paths.append(out / f"{metric}.png")
-    return paths
+    def draw(metric):
+        return lambda record, path: viz.plot_bench(record, metric).savefig(path, dpi=110, bbox_inches="tight")
 
-
-def write_json(results: dict, out: Path) -> None:
-    """``out/results.json`` (``out`` created): what ``sweep`` saves after every point."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    figures = {f"{metric}.png": draw(metric) for metric in ("time", "memory")}
+    write_results(out, "results", results, markdown, figures)
+    return [out / name for name in ("results.json", "results.md", *figures)]
 
 
 def markdown(results: dict) -> str:

@@ -16,7 +16,7 @@ from ..pattern import Pattern
 from . import harness
 from .config import IMPLEMENTATIONS
 from .implementations import unavailable_reasons
-from .report import write_json
+from .results import write_json
 
 
 def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations: Sequence[str], *, batch: int = 1,
@@ -54,11 +54,11 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
                 stopped[(label, name)] = f"{result['status']} at N={n}"
         results["points"].append({**point, **result})
         if out is not None:
-            write_json(results, out)
+            write_json(out / "results.json", results)
     results["load_average_end"] = machine.load_average()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     if out is not None:
-        write_json(results, out)
+        write_json(out / "results.json", results)
     return results
 
 
