@@ -6,7 +6,8 @@
 B=1, H=8, D=64, pattern ``Local(256) | Global(first=16)``, float32, and bfloat16 for the names ending
 in ``-bf16`` (``numba-bf16``: bf16 matmuls where the CPU has native bf16, see docs/backend-numba.md).
 For every N it times, in one process and interleaved (repeat r runs every implementation once
-before repeat r+1), the forward and the forward+backward of
+before repeat r+1), the forward and the forward+backward (``peers.passes``) of these peers of
+``sparse_attn.bench.peers``, the ones ``sparse-attn bench`` runs:
 
 - ``numba``: ``sparse_attention(..., backend="numba")`` with a prebuilt block-64 ``BlockLayout``;
 - ``flex-64`` / ``flex-128``: ``torch.compile(flex_attention)`` with ``layout.to_block_mask()`` of
@@ -38,12 +39,12 @@ from pathlib import Path
 
 import numba
 import torch
-import torch.nn.functional as F
 
 import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
 from sparse_attn.backends import numba_bf16
+from sparse_attn.bench import peers
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results
 
@@ -77,41 +78,23 @@ def _runner(impl: str, n: int):
         flops = layout.flops(DIM) * BATCH
         if name == "reference" and dense_flops > SLOW_FLOPS[name]:
             return None, None, flops, f"computes dense rows: {dense_flops / 1e12:.1f} TFLOP per forward"
-        attend = lambda: sparse_attention(q, k, v, layout, backend=name)  # noqa: E731
+        attend = peers.sparse_attn(q, k, v, layout, backend=name)
     elif name.startswith("flex"):
-        from torch.nn.attention.flex_attention import flex_attention
-
         torch._dynamo.config.recompile_limit = 64  # one compiled variant per (N, block, dtype): more than the default 8
         block = int(name.split("-")[1])
         layout = PATTERN.layout(n, n, heads=HEADS, block_size=block)
-        assert layout.call_data is not None  # so to_block_mask() gives Flex pattern.mask_mod, not a lookup
-        block_mask = layout.to_block_mask()
-        compiled = torch.compile(flex_attention, dynamic=False)
-        flops = layout.flops(DIM) * BATCH
         q, k, v = (t.detach() for t in (q, k, v))  # FlexAttention refuses inputs that require grad on CPU
-
-        def forward():
-            compiled(q, k, v, block_mask=block_mask)
-
-        return forward, None, flops, None
+        # fresh=False: the flex runners of one N are timed in turns, and a reset would send them back to compiling
+        forward = peers.flex(q, k, v, layout, fresh=False)
+        return forward, None, layout.flops(DIM) * BATCH, None
     elif name == "sdpa-dense":
         flops = dense_flops
         if dense_flops > SLOW_FLOPS[name]:
             return None, None, flops, f"dense O(N^2): {dense_flops / 1e12:.1f} TFLOP per forward"
-        attend = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        attend = peers.sdpa(q, k, v)
     else:
         raise ValueError(f"unknown implementation {name!r}")
-
-    def forward():
-        with torch.no_grad():
-            attend()
-
-    def forward_backward():
-        out = attend()
-        out.backward(torch.ones_like(out))
-        q.grad = k.grad = v.grad = None
-
-    return forward, forward_backward, flops, None
+    return *peers.passes(attend, q, k, v), flops, None
 
 
 def _matmul_sizes() -> dict[str, int]:

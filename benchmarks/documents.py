@@ -54,6 +54,7 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.bench import peers
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results
 
@@ -187,16 +188,7 @@ def _timed(fn) -> float:
 
 
 def _calls(q, k, v, layout):
-    def forward():
-        with torch.no_grad():
-            sa.sparse_attention(q, k, v, layout, backend="numba")
-
-    def forward_backward():
-        out = sa.sparse_attention(q, k, v, layout, backend="numba")
-        out.backward(torch.ones_like(out))
-        q.grad = k.grad = v.grad = None
-
-    return forward, forward_backward
+    return peers.passes(peers.sparse_attn(q, k, v, layout, backend="numba"), q, k, v)
 
 
 def _packed(doc_set: str, n: int):

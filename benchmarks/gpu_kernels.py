@@ -7,7 +7,8 @@
                                      [--patterns ...] [--impls ...] [--budget-s 500] [--out benchmarks/results]
 
 For bf16, H=16 heads, every (pattern, head_dim, batch, N) point times the forward and the
-forward+backward of five implementations on identical inputs:
+forward+backward of five implementations on identical inputs, each the peer of ``sparse_attn.bench.peers``
+that ``sparse-attn bench`` runs too (``make_runner`` maps the names):
 
 - ``triton``: ``sparse_attention(..., backend="triton")`` with a prebuilt ``BlockLayout`` of block 64;
   ``triton-128`` the same with block 128 (the markdown shows triton at its faster block, per pass);
@@ -15,9 +16,9 @@ forward+backward of five implementations on identical inputs:
   layout built with block 128 (FlexAttention's default block): its block lists come from the layout, its
   ``mask_mod`` is the pattern's own predicate (``pattern.mask_mod``: arithmetic, as a FlexAttention user
   writes one; the same block lists as ``create_block_mask`` would compute, in milliseconds instead of a
-  compiled N x N sweep), compiled afresh for each point and never run eagerly (``compiled_flex``);
-- ``flex-64``: the same with block 64, kernel tiles 64 x 64 forward and backward (FlexAttention's
-  default tiles on an H100 are 128 wide, which a 64-block mask does not allow);
+  compiled N x N sweep), compiled afresh for each point and never run eagerly (``peers.flex``);
+- ``flex-64``: the same with block 64, kernel tiles 64 x 64 forward and backward (``peers.FLEX_TILES``;
+  FlexAttention's default tiles on an H100 are 128 wide, which a 64-block mask does not allow);
 - ``flex-128-max``, ``flex-64-max``: ``flex-128`` and ``flex-64`` compiled with
   ``mode="max-autotune-no-cudagraphs"``: FlexAttention picks its tiles, warps and stages by timing its
   candidates (about a minute a point; not in the default plan, ``--impls`` names them). Without it a
@@ -74,7 +75,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 import sparse_attn as sa  # noqa: E402
-from sparse_attn.api import sparse_attention  # noqa: E402
+from sparse_attn.bench import peers  # noqa: E402
 from sparse_attn.bench.harness import cuda_usable  # noqa: E402
 from sparse_attn.bench.results import error_text, resumed_rows, write_results  # noqa: E402
 from sparse_attn.machine import gpu, versions  # noqa: E402
@@ -90,10 +91,7 @@ PATTERNS = {  # name: (pattern, causal SDPA baseline)
 }
 TRITON_BLOCKS = {"triton": 64, "triton-128": 128}  # implementation: the block of its layout
 FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64, "flex-128-max": 128, "flex-64-max": 64}  # its BlockMask's block
-FLEX_MODES = {"flex-128-max": "max-autotune-no-cudagraphs",  # torch.compile mode (default: none): tiles, warps
-              "flex-64-max": "max-autotune-no-cudagraphs"}   # and stages chosen by timing the candidates
-FLEX_TILES = {64: {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64,  # block: kernel tiles that divide it
-                   "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64}}
+FLEX_MODES = {"flex-128-max": peers.AUTOTUNE, "flex-64-max": peers.AUTOTUNE}  # torch.compile mode (default: none)
 BLOCKS = TRITON_BLOCKS | FLEX_BLOCKS
 IMPLEMENTATIONS = (*TRITON_BLOCKS, *FLEX_BLOCKS, "sdpa", "masked-sdpa")
 DEFAULT_IMPLS = [impl for impl in IMPLEMENTATIONS if impl not in FLEX_MODES]  # autotuning: ~1 min a point
@@ -160,22 +158,6 @@ def check_fits(needed: int) -> None:
         raise DoesNotFit(f"does not fit: needs ~{needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
 
 
-def compiled_flex(mode: str | None = None):
-    """``torch.compile(flex_attention)`` that runs compiled or raises, never silently eagerly.
-
-    Dynamo caches compiled code per code object, and every point compiles ``flex_attention`` anew
-    (its shapes are static, the block mask's tensors and captured tiles differ; on CPU, 24 points of
-    3 patterns x 2 blocks x 2 N x 2 D compile 24 times with or without a reset), so past
-    ``recompile_limit`` (8) entries Dynamo would run it eagerly, materialising the N x N scores.
-    ``reset()`` empties that cache for each point at no extra compile; ``fullgraph=True`` turns any
-    fall-back left (a graph break, the limit) into an error, which ``measure`` records as the point's result.
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    torch._dynamo.reset()
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True, mode=mode)
-
-
 def masked_sdpa_backend(q, k, v, mask) -> str:
     """The kernel ``scaled_dot_product_attention`` picks for these inputs and mask, e.g. "efficient_attention"."""
     from torch.nn.attention import SDPBackend
@@ -184,25 +166,18 @@ def masked_sdpa_backend(q, k, v, mask) -> str:
 
 
 def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
-    """A function computing the attention output with implementation ``impl`` on ``layout``'s pattern,
-    and what to record of how it runs ({"sdpa_backend": ...} for masked SDPA, else {})."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    """A function computing the attention output with implementation ``impl`` on ``layout``'s pattern (its peer
+    in ``sparse_attn.bench.peers``), and what to record of how it runs ({"sdpa_backend": ...} for masked SDPA,
+    else {})."""
     if impl in TRITON_BLOCKS:
-        return (lambda: sparse_attention(q, k, v, layout, backend="triton")), {}
-    if impl in FLEX_BLOCKS:
-        block_mask = layout.to_block_mask()
-        flex = compiled_flex(FLEX_MODES.get(impl))
-        tiles = None if impl in FLEX_MODES else FLEX_TILES.get(layout.block_size)  # autotuning picks its own
-        return (lambda: flex(q, k, v, block_mask=block_mask, kernel_options=tiles)), {}
+        return peers.sparse_attn(q, k, v, layout, backend="triton"), {}
+    if impl in FLEX_BLOCKS:  # compiled afresh for each point; autotuning picks its own tiles
+        tiles = None if impl in FLEX_MODES else peers.FLEX_TILES.get(layout.block_size)
+        return peers.flex(q, k, v, layout, mode=FLEX_MODES.get(impl), kernel_options=tiles), {}
     if impl == "masked-sdpa":
-        mask = layout.row_mask(0, layout.n_q_blocks)                        # (1, 1|H, N, N) bool
-        return (lambda: sdpa(q, k, v, attn_mask=mask)), {"sdpa_backend": masked_sdpa_backend(q, k, v, mask)}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def flash():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return sdpa(q, k, v, is_causal=causal)
-    return flash, {}
+        mask = peers.token_mask(layout, q.device)                           # (1, 1|H, N, N) bool
+        return peers.masked_sdpa(q, k, v, mask), {"sdpa_backend": masked_sdpa_backend(q, k, v, mask)}
+    return peers.sdpa(q, k, v, causal=causal, flash=True), {}
 
 
 def _timed_s(fn) -> float:

@@ -65,32 +65,29 @@ def check(out: Path) -> None:
     print(*lines, sep="\n")
 
 
-def profile(out: Path, n: int = 32768, heads: int = 16, peers: bool = True) -> None:
-    """Where the time of forward+backward goes: CUDA kernels of triton and (``peers``) of FlexAttention (block
-    128) on the Longformer pattern at the target length, warm, three steps each; the tables go to
-    gpu_profile.txt."""
+def profile(out: Path, n: int = 32768, heads: int = 16, flex: bool = True) -> None:
+    """Where the time of forward+backward goes: CUDA kernels of triton and (``flex``) of FlexAttention (block
+    128), the peers of ``sparse_attn.bench.peers`` as gpu_kernels.py runs them, on the Longformer pattern at the
+    target length, warm, three steps each; the tables go to gpu_profile.txt."""
     import torch
-    from torch.nn.attention.flex_attention import flex_attention
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     sys.path.insert(0, str(REPO))
     import sparse_attn as sa
-    from sparse_attn.api import sparse_attention
+    from sparse_attn.bench import peers
 
     pattern = sa.Local(256) | sa.Global(first=16)
-    if peers:
-        flex = torch.compile(flex_attention, fullgraph=True)
-        block_mask = pattern.layout(n, heads=heads, block_size=128).to("cuda").to_block_mask()
     layout = pattern.layout(n, heads=heads).to("cuda")
+    flex_layout = pattern.layout(n, heads=heads, block_size=128).to("cuda")
     tables = []
     for head_dim in (64, 128):
         q, k, v = (torch.randn(1, heads, n, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))                                                       # (B, H, N, D)
         grad_out = torch.randn_like(q)
-        runs = {"triton": lambda: sparse_attention(q, k, v, layout, backend="triton")}
-        if peers:
-            runs["flex-128"] = lambda: flex(q, k, v, block_mask=block_mask)
+        runs = {"triton": peers.sparse_attn(q, k, v, layout, backend="triton")}
+        if flex:
+            runs["flex-128"] = peers.flex(q, k, v, flex_layout)                             # compiled for this D
         for name, forward in runs.items():
             for _ in range(2):                                                              # compile, warm up
                 forward().backward(grad_out)
@@ -107,7 +104,7 @@ def profile(out: Path, n: int = 32768, heads: int = 16, peers: bool = True) -> N
 
 def profile_triton(out: Path) -> None:
     """``profile`` of triton alone (no FlexAttention compile: the ``all`` stage's budget)."""
-    profile(out, peers=False)
+    profile(out, flex=False)
 
 
 def decode(out: Path, context: int = 65536, steps: int = 50) -> None:
@@ -169,11 +166,12 @@ def flex_export(out: Path, n: int = 32768, heads: int = 16) -> None:
     lists and outputs are compared, and both the build and the compiled forward timed (Longformer and the causal
     sliding window, block 128, bf16, D=64, B=1). Written to gpu_flex_export.txt."""
     import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
     from triton.testing import do_bench
 
     sys.path.insert(0, str(REPO))
     import sparse_attn as sa
+    from sparse_attn.bench import peers
 
     lines = [f"FlexAttention, N={n}, H={heads}, D=64, bf16, block 128: layout.to_block_mask() vs "
              f"create_block_mask(pattern.mask_mod(...), _compile=True)"]
@@ -195,8 +193,7 @@ def flex_export(out: Path, n: int = 32768, heads: int = 16) -> None:
             exported.full_kv_num_blocks.expand_as(made.full_kv_num_blocks), made.full_kv_num_blocks)
         times, outs = [], []
         for block_mask in (exported, made):
-            torch._dynamo.reset()
-            flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+            flex = peers.compiled_flex()
             with torch.no_grad():
                 outs.append(flex(q, k, v, block_mask=block_mask))
                 times.append(do_bench(lambda: flex(q, k, v, block_mask=block_mask), return_mode="median"))

@@ -1,5 +1,6 @@
-"""The benchmark harness: settings, the implementations, running a point in a fresh process (and that the scripts
-run theirs so), the sweep and its tables, results files and --resume (the command is in test_cli)."""
+"""The benchmark harness: settings, the peers (and that the CLI and every script run the same ones), the
+implementations, running a point in a fresh process, the sweep and its tables, results files and --resume (the
+command is in test_cli)."""
 import importlib.util
 import json
 import sys
@@ -11,7 +12,7 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn import bench
-from sparse_attn.bench import harness, implementations, results
+from sparse_attn.bench import harness, implementations, peers, results
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -58,10 +59,10 @@ def test_bench_records_timeouts_and_keeps_going():
 
 
 def test_bench_availability():
-    assert implementations._longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
-    assert implementations._longformer_window(sa.Local(1)) == (1, None)
-    assert implementations._longformer_window(sa.preset("bigbird-itc")) is None
-    assert implementations._longformer_window(sa.Local(4, 2)) is None                 # HF windows are symmetric
+    assert peers.longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
+    assert peers.longformer_window(sa.Local(1)) == (1, None)
+    assert peers.longformer_window(sa.preset("bigbird-itc")) is None
+    assert peers.longformer_window(sa.Local(4, 2)) is None                           # HF windows are symmetric
     assert bench.availability("hf-longformer", sa.preset("bigbird-itc"), "cpu")[0] is False
     assert bench.availability("sparse_attn-numba", sa.Local(1), "cuda") == (False, "numba runs CPU tensors only")
     assert bench.availability("sparse_attn-triton", sa.Local(1), "cpu")[0] is False
@@ -93,8 +94,57 @@ def test_settings_take_what_is_given_and_the_rest_from_quick_or_default():
 
 
 # ------------------------------------------------------------------------------------------------
-# The scripts run on the same harness
+# The peers, and that the CLI and the scripts run the same ones
 # ------------------------------------------------------------------------------------------------
+def test_the_cli_and_every_script_run_the_peers_of_one_module(monkeypatch):
+    """sparse-attn bench (implementations.setup), cpu_kernels.py, gpu_kernels.py and documents.py build their
+    sparse_attn, FlexAttention, dense and masked SDPA calls with sparse_attn.bench.peers, with their options."""
+    cpu_kernels, gpu_kernels, documents = script("cpu_kernels"), script("gpu_kernels"), script("documents")
+    built = []
+
+    def recorder(name):
+        def build(*args, **options):
+            built.append((name, options))
+            return lambda: None
+        return build
+
+    for name in ("sparse_attn", "flex", "sdpa", "masked_sdpa"):
+        monkeypatch.setattr(peers, name, recorder(name))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # cpu_kernels sets it
+    pattern = sa.Local(16) | sa.Global(first=2)
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))                    # (B, H, N, D)
+    layout = pattern.layout(128, heads=2, block_size=64)
+
+    def cli(name):
+        implementations.setup(name, pattern, q, k, v, 64)
+
+    def cpu(name):
+        cpu_kernels._runner(name, 128)
+
+    def gpu(name, causal=False):
+        gpu_kernels.make_runner(name, q, k, v, layout, causal)
+
+    for run, expected in [
+            (lambda: cli("flex"), ("flex", {"fresh": False})),
+            (lambda: cpu("flex-64"), ("flex", {"fresh": False})),
+            (lambda: cpu("flex-128-bf16"), ("flex", {"fresh": False})),
+            (lambda: gpu("flex-64"), ("flex", {"mode": None, "kernel_options": peers.FLEX_TILES[64]})),
+            (lambda: gpu("flex-128-max"), ("flex", {"mode": peers.AUTOTUNE, "kernel_options": None})),
+            (lambda: cli("sparse_attn-numba"), ("sparse_attn", {"backend": "numba"})),
+            (lambda: cpu("numba"), ("sparse_attn", {"backend": "numba"})),
+            (lambda: cpu("reference"), ("sparse_attn", {"backend": "reference"})),
+            (lambda: gpu("triton"), ("sparse_attn", {"backend": "triton"})),
+            (lambda: documents._calls(q, k, v, layout), ("sparse_attn", {"backend": "numba"})),
+            (lambda: cli("sdpa-dense"), ("sdpa", {})),
+            (lambda: cpu("sdpa-dense"), ("sdpa", {})),
+            (lambda: gpu("sdpa", causal=True), ("sdpa", {"causal": True, "flash": True})),
+            (lambda: cli("sdpa-masked"), ("masked_sdpa", {})),
+            (lambda: gpu("masked-sdpa"), ("masked_sdpa", {}))]:
+        built.clear()
+        run()
+        assert built == [expected]
+
+
 def test_the_scripts_run_the_harness_of_one_module():
     """One subprocess runner, one writer, one --resume: the scripts take them from sparse_attn.bench."""
     cpu_kernels, documents, decode = script("cpu_kernels"), script("documents"), script("decode")
@@ -109,6 +159,50 @@ def test_the_scripts_run_the_harness_of_one_module():
 def test_committed_table_is_rendered_from_the_committed_json(name):
     record = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
     assert script(name).markdown(record) == (BENCHMARKS / "results" / f"{name}.md").read_text()
+
+
+def test_peers_compute_the_patterns_attention():
+    pattern = sa.Local(8) | sa.Global(first=2)
+    q, k, v = (torch.randn(1, 2, 96, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))  # (B, H, N, D)
+    layout = pattern.layout(96, heads=2, block_size=32)
+    expected = sa.sparse_attention(q, k, v, layout, backend="reference")
+    shared, expanded = peers.token_mask(layout, "cpu"), peers.token_mask(layout, "cpu", expand_heads=True)
+    assert shared.shape == (1, 1, 96, 96) and expanded.shape == (1, 2, 96, 96)
+    for mask in (shared, expanded):
+        torch.testing.assert_close(peers.masked_sdpa(q, k, v, mask)(), expected)
+    torch.testing.assert_close(peers.sdpa(q, k, v, causal=True)(), torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True))
+    forward, forward_backward = peers.passes(peers.sparse_attn(q, k, v, layout, backend="reference"), q, k, v)
+    assert forward() is None and q.grad is None
+    forward_backward()
+    assert q.grad is k.grad is v.grad is None                                    # dropped: the next call starts alike
+
+
+def test_flex_peer_compiles_static_and_whole_and_resets_only_when_fresh(monkeypatch):
+    resets, options = [], []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    monkeypatch.setattr(torch, "compile", lambda fn, **given: options.append(given) or fn)
+    peers.compiled_flex()
+    peers.compiled_flex(peers.AUTOTUNE, fresh=False)
+    assert resets == [True]
+    assert options == [{"dynamic": False, "fullgraph": True, "mode": None},
+                       {"dynamic": False, "fullgraph": True, "mode": peers.AUTOTUNE}]
+
+
+def test_flex_peer_refuses_a_hand_built_layout():
+    layout = sa.Local(8).layout(64, block_size=32)
+    by_hand = sa.BlockLayout(pattern=layout.pattern, n_q=64, n_k=64, heads=1, block_size=32, causal=False,
+                             **layout.index._asdict())
+    q = torch.randn(1, 1, 64, 16)                                                # (B, H, N, D)
+    with pytest.raises(ValueError, match="built by hand"):
+        peers.flex(q, q, q, by_hand)
+
+
+def test_hf_longformer_peer_runs_the_patterns_window():
+    pytest.importorskip("transformers")
+    q = torch.randn(1, 2, 128, 16)                                               # (B, H, N, D)
+    out = peers.hf_longformer(sa.Local(16) | sa.Global(first=2), q)()
+    assert out.shape == (1, 128, 32) and torch.isfinite(out).all()
 
 
 # ------------------------------------------------------------------------------------------------

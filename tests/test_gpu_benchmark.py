@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.bench import peers
 
 # Triton runs on CPU tensors in its interpreter (tests/conftest.py), but it must be installed.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -330,7 +331,7 @@ def test_masked_sdpa_attends_where_the_pattern_allows(pattern, monkeypatch):
 
 @needs_triton
 def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
-    """Past recompile_limit shapes Dynamo would run flex_attention eagerly; compiled_flex resets its cache
+    """Past recompile_limit shapes Dynamo would run flex_attention eagerly; peers.compiled_flex resets its cache
     each time, and fullgraph=True would raise instead of falling back. Eager backend, CPU, interpreter."""
     counter, options_seen = torch._dynamo.testing.CompileCounter(), []
     compile_ = torch.compile
@@ -358,12 +359,12 @@ def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
 
 
 def fake_flex(calls):
-    """compiled_flex's stand-in on CPU, where FlexAttention has no backward: dense attention, differentiable;
+    """peers.compiled_flex's stand-in on CPU, where FlexAttention has no backward: dense attention, differentiable;
     records the block mask's block and the kernel options it was called with."""
     def flex(q, k, v, block_mask, kernel_options):
         calls.append((block_mask.BLOCK_SIZE, kernel_options))
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    return lambda mode=None: flex
+    return lambda mode=None, fresh=True: flex
 
 
 def sparse_flops(pattern, block):
@@ -381,7 +382,8 @@ def test_a_point_fills_every_field_on_cpu(monkeypatch, impl, pattern, flops, det
     """The whole measurement on CPU (triton in its interpreter, flex faked): device, dtype and heads swapped,
     timers faked (2 ms; peaks 1, 2, 3 MiB)."""
     calls = []
-    for name, value in {"DEVICE": "cpu", "DTYPE": torch.float32, "HEADS": 2, "compiled_flex": fake_flex(calls),
+    monkeypatch.setattr(peers, "compiled_flex", fake_flex(calls))
+    for name, value in {"DEVICE": "cpu", "DTYPE": torch.float32, "HEADS": 2,
                         "free_gpu_bytes": lambda: 2**30, "bench_ms": lambda fn, grads=(): (fn(), 2.0)[1],
                         "peak_mb": lambda fn: (fn(), (1.0, 2.0, 3.0))[1]}.items():
         monkeypatch.setattr(gk, name, value)
@@ -395,4 +397,4 @@ def test_a_point_fills_every_field_on_cpu(monkeypatch, impl, pattern, flops, det
                          fwd_bwd_ms=2.0, fwd_bwd_tflops=3.5 * flops / 2.0 / 1e9, fwd_bwd_peak_mb=1.0,
                          fwd_bwd_total_peak_mb=2.0, fwd_bwd_reserved_peak_mb=3.0)
     block = gk.FLEX_BLOCKS.get(impl)
-    assert calls == ([((block, block), gk.FLEX_TILES.get(block))] * 6 if block else [])  # warm-up, timer, peak x 2
+    assert calls == ([((block, block), peers.FLEX_TILES.get(block))] * 6 if block else [])  # warm-up, timer, peak x 2

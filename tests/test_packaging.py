@@ -26,7 +26,7 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
                                     "sparse_attn.checks", "sparse_attn.backends", "sparse_attn.expression",
                                     "sparse_attn.machine", "sparse_attn.bench.config",
                                     "sparse_attn.bench.implementations", "sparse_attn.bench.report",
-                                    "sparse_attn.bench.results",
+                                    "sparse_attn.bench.peers", "sparse_attn.bench.results",
                                     "sparse_attn.bench.harness",
                                     "sparse_attn.retention", "sparse_attn.kv_cache", "sparse_attn.shard_plan",
                                     "sparse_attn.distributed", "sparse_attn.backends.numba_bf16"])

@@ -7,11 +7,13 @@
 >>> results = bench.sweep(patterns, [1024, 2048], ["sparse_attn-numba", "sdpa-dense"])  # doctest: +SKIP
 >>> bench.write(results, Path("bench-out"))  # results.json, results.md, time.png, memory.png  # doctest: +SKIP
 
-``sparse-attn bench`` runs on it, and the scripts in ``benchmarks/`` run points and write results with it.
+The one benchmark harness: ``sparse-attn bench`` runs on it, and so does every script in ``benchmarks/``.
 One module per job:
 
 - ``config``: the patterns and implementations by name, the default and ``--quick`` settings;
-- ``implementations``: whether each implementation runs here, and the call it times;
+- ``peers``: every implementation a benchmark compares (this library, FlexAttention, dense and masked SDPA,
+  HF Longformer), each built once and returned as the call a benchmark times;
+- ``implementations``: whether each of the sweep's implementations runs here, and its peer;
 - ``harness``: a point in a fresh process (``run_json``; the sweep's child, which measures time and memory
   as its docstring says), and whether CUDA survived a point;
 - ``runner``: the sweep over every (pattern, implementation, N) point;

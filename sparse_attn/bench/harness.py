@@ -11,7 +11,7 @@ q, k, v exist:
 
 0. a short run of the implementation (N <= 1024) loads its libraries and JIT code;
 1. ``setup``: build what the implementation needs from the pattern (a BlockLayout, a dense mask,
-   a FlexAttention BlockMask and the compiled kernel, HF's layer), then one warm-up call (JIT and
+   a FlexAttention BlockMask and the compiled kernel, HF's layer; see ``peers``), then one warm-up call (JIT and
    compilation happen here, outside the measurement);
 2. reset the process high-water mark (``machine.reset_peak_rss``; on CUDA
    ``torch.cuda.reset_peak_memory_stats``), then time ``repeats`` calls. When the warm-up call

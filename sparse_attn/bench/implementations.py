@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import warnings
 
-from ..pattern import Global, Local, Pattern, Union
+from ..pattern import Pattern
+from . import peers
 from .config import IMPLEMENTATIONS
+from .peers import longformer_window
 
 
 def availability(name: str, pattern: Pattern, device: str, backward: bool = False) -> tuple[bool, str]:
@@ -33,7 +35,7 @@ def availability(name: str, pattern: Pattern, device: str, backward: bool = Fals
 
         if importlib.util.find_spec("transformers") is None:
             return False, "transformers is not installed: pip install 'sparse-attn[hf]'"
-        if _longformer_window(pattern) is None:
+        if longformer_window(pattern) is None:
             return False, f"HF Longformer has only a symmetric window plus global tokens; {pattern!r} is not"
         return True, ""
     return True, ""
@@ -69,65 +71,21 @@ def unavailable_reasons(patterns: dict[str, Pattern], implementations, device: s
     return reasons
 
 
-def _longformer_window(pattern: Pattern):
-    """(one-sided window, Global or None) when ``pattern`` is ``Local(w)`` or ``Local(w) | Global(...)``."""
-    parts = pattern.patterns if isinstance(pattern, Union) else (pattern,)
-    local = [p for p in parts if isinstance(p, Local)]
-    glob = [p for p in parts if isinstance(p, Global)]
-    if len(local) != 1 or len(glob) > 1 or len(local) + len(glob) != len(parts):
-        return None
-    if local[0].before != local[0].after or local[0].block_size != 1 or local[0].before == 0:
-        return None
-    return local[0].before, (glob[0] if glob else None)
-
-
 def setup(name: str, pattern: Pattern, q, k, v, block_size: int):
-    """A function that runs one attention call of implementation ``name`` and returns its output.
-
-    What the implementation needs from the pattern (a BlockLayout, a dense mask, a FlexAttention
-    BlockMask and the compiled kernel, HF's layer) is built here, before the call is timed.
-    """
-    import torch
-
-    from ..api import sparse_attention
-
-    batch, heads, n, head_dim = q.shape
-    if name.startswith("sparse_attn-"):
-        layout = pattern.layout(n, heads=heads, block_size=block_size)
-        backend = name.split("-", 1)[1]
-        return lambda: sparse_attention(q, k, v, layout, backend=backend)
+    """A function that runs one attention call of implementation ``name`` and returns its output: the peer of
+    ``peers`` that ``name`` stands for, built here (its layout, mask, block mask and compiled kernel, HF's
+    layer), before the call is timed."""
     if name == "sdpa-dense":
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    if name == "sdpa-masked":
-        layout = pattern.layout(n, heads=heads, block_size=block_size)
-        mask = layout.to_dense().to(q.device)                                    # (1, H, N, N) bool
-        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if name == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        block_mask = pattern.layout(n, heads=heads, block_size=block_size).to(q.device).to_block_mask()
-        compiled = torch.compile(flex_attention, dynamic=False)  # dynamic-shape C++ fails on CPU
-        return lambda: compiled(q, k, v, block_mask=block_mask)
+        return peers.sdpa(q, k, v)
     if name == "hf-longformer":
-        return _setup_longformer(pattern, q)
-    raise ValueError(f"unknown implementation {name!r}; expected one of {list(IMPLEMENTATIONS)}")
-
-
-def _setup_longformer(pattern: Pattern, q):
-    import torch
-    from transformers import LongformerConfig
-    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
-
+        return peers.hf_longformer(pattern, q)
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown implementation {name!r}; expected one of {list(IMPLEMENTATIONS)}")
     batch, heads, n, head_dim = q.shape
-    window, glob = _longformer_window(pattern)
-    config = LongformerConfig(hidden_size=heads * head_dim, num_attention_heads=heads,
-                              attention_window=[2 * window], attention_probs_dropout_prob=0.0)
-    layer = LongformerSelfAttention(config, layer_id=0).to(q.device).eval()
-    hidden = torch.randn(batch, n, heads * head_dim, device=q.device, requires_grad=q.requires_grad)  # (B, N, H*D)
-    is_global = torch.zeros(batch, n, dtype=torch.bool, device=q.device)
-    if glob is not None:
-        is_global[:, torch.from_numpy(glob.positions(n))] = True  # the pattern's own positions
-    mask = is_global.to(q.dtype) * 10000.0                                       # HF: +10000 global, 0 local
-    is_masked = torch.zeros_like(is_global)
-    return lambda: layer(hidden, attention_mask=mask, is_index_masked=is_masked, is_index_global_attn=is_global,
-                         is_global_attn=bool(is_global.any()))[0]
+    layout = pattern.layout(n, heads=heads, block_size=block_size)
+    if name.startswith("sparse_attn-"):
+        return peers.sparse_attn(q, k, v, layout, backend=name.split("-", 1)[1])
+    if name == "sdpa-masked":  # every head's mask: SDPA builds its float bias per head, as this bench measured
+        return peers.masked_sdpa(q, k, v, peers.token_mask(layout, q.device, expand_heads=True))
+    # one point per process: its warm-up compile at N <= 1024 is kept (no reset), as this bench measured
+    return peers.flex(q, k, v, layout, fresh=False)
