@@ -765,9 +765,10 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @numba_attention.register_fake
 def _(q, k, v, *layout_and_args):
-    rows = q.shape[:3]
-    q = q.to(_computed_in(q))
-    return torch.empty_like(q), q.new_empty(rows), q.new_empty((2, *rows)), q.new_empty(rows, dtype=torch.int64)
+    """Contiguous outputs whatever q's strides, as the kernel writes them (Inductor checks the strides)."""
+    rows, dtype = q.shape[:3], _computed_in(q)
+    return (q.new_empty(q.shape, dtype=dtype), q.new_empty(rows, dtype=dtype), q.new_empty((2, *rows), dtype=dtype),
+            q.new_empty(rows, dtype=torch.int64))
 
 
 @torch.library.custom_op("sparse_attn::numba_attention_backward", mutates_args=())
@@ -790,7 +791,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     schedule = _static_schedule(_heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
-    dq, dk, dv = (torch.empty_like(t, dtype=dtype) for t in (q, k, v))
+    dq, dk, dv = (t.new_empty(t.shape, dtype=dtype) for t in (q, k, v))          # contiguous, as the fake
     dq_parts = q.new_empty((workers - 1, *q.shape), dtype=dtype)                 # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
@@ -815,7 +816,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 @numba_attention_backward.register_fake
 def _(dout, q, k, v, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    """Contiguous gradients whatever the strides of q, k, v, as the kernel writes them."""
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
