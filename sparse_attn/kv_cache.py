@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import backends
-from .api import check_inputs, sparse_attention
+from .api import check_inputs, resolve_scale, sparse_attention
 from .blocks import ceil_div
 from .checks import check_bool, check_int, check_token_mask
 from .compiler import csr_index, unique_rows
@@ -47,6 +47,7 @@ from .retention import retention
 from .rules import Context, resolve
 
 _MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what sparse_attention takes
 _KEPT_LAYOUTS = 8      # layouts of held positions a cache keeps, by their token mask (a decode step reuses one)
 
 
@@ -67,7 +68,9 @@ class SparseKVCache:
         check_pattern("pattern", pattern)
         self.pattern, self.backend = pattern, backends.check_name(backend)
         self.retention = retention(pattern)
-        self._fixed = np.asarray(self.retention.fixed if self.retention.bounded else (), dtype=np.int64)
+        self._fixed = np.asarray(self.retention.fixed if self.retention.bounded else (), dtype=np.int64)  # their slots
+        self._starts: np.ndarray | None = None          # (B,) each example's first token (left padding), None: 0
+        self._probe: BlockLayout | None = None          # a one-pair layout to ask the backend before any change
         self._keys = self._values = None                # (B, Hkv, slots, D): fixed slots, then the ring
         self._slot_positions = np.zeros(0, dtype=np.int64)  # (slots,) position held in each slot, -1 free
         self._ring_head = self._ring_count = 0          # the oldest ring entry (index into the ring), entries
@@ -105,8 +108,12 @@ class SparseKVCache:
         """Append k, v (B, Hkv, n_new, D) at the next positions; returns the held keys and values (B, Hkv,
         n_held, D) and their positions (int64 (n_held,), CPU), in slot order: the fixed tokens ascending, then
         the ring's slots (ascending positions until the ring wraps; the positions say which key is where).
-        A view of the storage when the slots in use are contiguous (the steady state), else a gathered copy."""
+        A view of the storage when the slots in use are contiguous (the steady state), else a gathered copy.
+        Raises before changing anything if k, v cannot continue this cache."""
         self._check_kv(k, v)
+        return self._append(k, v)
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n_new = k.shape[2]
         new = np.arange(self._seen, self._seen + n_new, dtype=np.int64)
         self._evict(t=self._seen)
@@ -132,7 +139,19 @@ class SparseKVCache:
         return keys, values, torch.from_numpy(self._slot_positions[held])
 
     def _check_kv(self, k, v) -> None:
-        check_inputs(k, k, v)
+        """k, v as the caller passed them, and that they continue the held keys (batch, heads, head dim, dtype,
+        device; the batch of ``set_starts``)."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4 or min(t.shape) == 0:
+                raise ValueError(f"{name} must have shape (batch, kv_heads, n_new, head_dim) with every size >= 1, "
+                                 f"got {tuple(t.shape)}")
+        if (k.shape, k.dtype, k.device) != (v.shape, v.dtype, v.device):
+            raise ValueError(f"k and v must have the same shape, dtype and device, got k {tuple(k.shape)} ({k.dtype}, "
+                             f"{k.device}) and v {tuple(v.shape)} ({v.dtype}, {v.device})")
+        if k.dtype not in _DTYPES:
+            raise TypeError(f"k and v must be float16, bfloat16, float32 or float64, got {k.dtype}")
         if self._keys is not None:
             b, h, _, d = self._keys.shape
             if (k.shape[0], k.shape[1], k.shape[3], k.dtype, k.device) != (b, h, d, self._keys.dtype,
@@ -140,11 +159,19 @@ class SparseKVCache:
                 raise ValueError(f"k of shape {tuple(k.shape)} ({k.dtype}, {k.device}) does not continue this cache "
                                  f"of (batch, kv_heads, head_dim) = {(b, h, d)} ({self._keys.dtype}, "
                                  f"{self._keys.device}); use one SparseKVCache per layer and sequence batch")
+        if self._starts is not None and k.shape[0] != len(self._starts):
+            raise ValueError(f"k has batch {k.shape[0]} but set_starts gave {len(self._starts)} starts (one per "
+                             f"example); use one SparseKVCache per sequence batch")
+
+    def _dense_until(self) -> int:
+        """The retention's ``dense_until`` in this batch: the last global query of the example that starts last."""
+        until = self.retention.dense_until
+        return until + int(self._starts.max()) if until >= 0 and self._starts is not None else until
 
     def _evict(self, t: int) -> None:
         """Drop ring entries that no query at a position >= t can reach (the oldest first)."""
         r = self.retention
-        if not r.bounded or t <= r.dense_until or self._ring_count == 0:
+        if not r.bounded or t <= self._dense_until() or self._ring_count == 0:
             return
         ring = self._ring_slots()
         old = int(np.searchsorted(self._slot_positions[ring], t - r.window))   # entries below the window
@@ -160,7 +187,7 @@ class SparseKVCache:
         r = self.retention
         ring_size = len(self._slot_positions) - len(self._fixed)
         needed = self._ring_count + n_ring
-        steady = r.bounded and self._seen > r.dense_until
+        steady = r.bounded and self._seen > self._dense_until()
         target = r.window + n_ring if steady else None
         if ring_size < needed:
             size = max(needed, 2 * ring_size) if target is None else min(max(needed, 2 * ring_size), target)
@@ -203,25 +230,120 @@ class SparseKVCache:
         """The slots in use, in slot order (a full storage is then one slice)."""
         return np.flatnonzero(self._slot_positions >= 0)
 
+    # --- left padding ------------------------------------------------------------------------
+    @property
+    def starts(self) -> torch.Tensor | None:
+        """Each example's first token (int64 (B,), CPU) as given to ``set_starts``, or None (every example at 0)."""
+        return None if self._starts is None else torch.from_numpy(self._starts.copy())
+
+    def set_starts(self, starts) -> None:
+        """Mark a left-padded batch: example b's tokens before position ``starts[b]`` are padding, and the
+        pattern's positions count from ``starts[b]`` (as Hugging Face's position ids do), so each example's
+        rows equal those of its own sequence run alone.
+
+        >>> import torch, sparse_attn as sa
+        >>> cache = sa.SparseKVCache(sa.Local(3, 0) | sa.Sink(first=1), backend="reference")
+        >>> cache.set_starts([0, 2])                   # example 1: two padding tokens, its sink at position 2
+        >>> x = torch.randn(2, 1, 6, 4)                 # (B, Hkv, N, D), left-padded prompts
+        >>> out = cache.attend(x, x, x)
+        >>> for _ in range(8):
+        ...     x = torch.randn(2, 1, 1, 4)
+        ...     out = cache.attend(x, x, x)
+        >>> sorted(cache.positions.tolist())            # both sinks, the window of 3 and the newest token
+        [0, 2, 10, 11, 12, 13]
+
+        ``starts``: (B,) ints >= 0, one per example, before or after the prefill's update (a Hugging Face
+        cache learns them from the attention mask after its first update); they may change only while the
+        keys the new starts need are still held, else a ValueError and nothing changes. Keys before an
+        example's start are never attended and its queries there return 0 (no key_padding_mask needed). The
+        cache keeps each example's sinks and global tokens at ``starts[b] + position`` (the union over the
+        batch, as for ``PerHead``).
+        """
+        held_batch = None if self._keys is None else self._keys.shape[0]
+        starts = check_starts(starts, held_batch)
+        fixed = np.unique(self._fixed_of(starts))
+        self._check_still_held(starts, fixed)
+        if self._keys is not None and not np.array_equal(fixed, self._fixed):
+            self._move_fixed(fixed)
+        self._fixed, self._starts = fixed, starts
+
+    def _fixed_of(self, starts: np.ndarray) -> np.ndarray:
+        """The positions kept in fixed slots: the retention's fixed tokens counted from every start."""
+        fixed = np.asarray(self.retention.fixed if self.retention.bounded else (), dtype=np.int64)
+        return (starts[:, None] + fixed[None, :]).ravel()
+
+    def _check_still_held(self, starts: np.ndarray, fixed: np.ndarray) -> None:
+        """Refuse starts that need keys this cache has already dropped."""
+        until = self.retention.dense_until
+        needed = [fixed[fixed < self._seen]]
+        needed += [np.arange(s, self._seen) for s in np.unique(starts) if self._seen <= until + s]  # global rows to come
+        held = self._slot_positions[self._held_slots()]
+        gone = np.setdiff1d(np.concatenate(needed), held)
+        if len(gone):
+            raise ValueError(f"set_starts({starts.tolist()}) needs the keys at positions {gone[:8].tolist()}, which "
+                             f"this cache has already dropped (it had starts "
+                             f"{None if self._starts is None else self._starts.tolist()}); set the starts before "
+                             f"the second update, once the prefill has shown where each example begins")
+
+    def _move_fixed(self, fixed: np.ndarray) -> None:
+        """Re-slot the held keys for a new set of fixed positions: those in it to their fixed slots, the others
+        into the ring in position order (one copy, when a prefill reveals the starts)."""
+        held = self._held_slots()
+        positions = self._slot_positions[held]
+        in_fixed = np.isin(positions, fixed)
+        ring = held[~in_fixed][np.argsort(positions[~in_fixed], kind="stable")]
+        ring_size = max(len(self._slot_positions) - len(self._fixed), len(ring))
+        slots = np.concatenate([np.searchsorted(fixed, positions[in_fixed]), len(fixed) + np.arange(len(ring))])
+        sources = np.concatenate([held[in_fixed], ring])
+        b, h, _, d = self._keys.shape
+        index = torch.from_numpy(sources).to(self._keys.device)
+        target = torch.from_numpy(slots).to(self._keys.device)
+        keys, values = self._keys.new_empty(b, h, len(fixed) + ring_size, d), self._values.new_empty(
+            b, h, len(fixed) + ring_size, d)                                           # (B, Hkv, S, D)
+        keys.index_copy_(2, target, self._keys.index_select(2, index))
+        values.index_copy_(2, target, self._values.index_select(2, index))
+        slot_positions = np.full(len(fixed) + ring_size, -1, dtype=np.int64)
+        slot_positions[slots] = self._slot_positions[sources]
+        self._keys, self._values, self._slot_positions = keys, values, slot_positions
+        self._ring_head, self._ring_count = 0, len(ring)
+
     # --- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                return_lse: bool = False):
         """``update(k, v)``, then the new queries q (B, Hq, n_new, D) over the held keys: equal to
         ``sparse_attention(q, k_all, v_all, pattern)`` over the whole past. Returns out (B, Hq, n_new, D),
-        or ``(out, lse)`` with ``return_lse=True``."""
-        if q.shape[2:3] != k.shape[2:3]:
+        or ``(out, lse)`` with ``return_lse=True``. Every argument is checked first: a call that raises leaves
+        the cache as it was."""
+        self._check_kv(k, v)
+        self._check_queries(q, k, v, scale, return_lse)
+        keys, values, positions = self._append(k, v)
+        return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
+
+    def _check_queries(self, q, k, v, scale, return_lse) -> None:
+        """What ``attention`` would refuse after the update, checked before it: q against the new k, v (as the
+        caller passed them), the pattern's heads and length, scale, return_lse and the backend."""
+        check_inputs(q, k, v)
+        if q.shape[2] != k.shape[2]:
             raise ValueError(f"q and k must hold the same new tokens (n_q == n_new), got q {tuple(q.shape)} and "
                              f"k {tuple(k.shape)}")
-        keys, values, positions = self.update(k, v)
-        return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
+        self.pattern.check_heads(q.shape[1])
+        resolve_scale(scale, q.shape[3])
+        check_bool("return_lse", return_lse)
+        resolve(self.pattern, Context(q.shape[2], self._seen + k.shape[2], 0))     # e.g. a Blocks grid too short
+        module = backends.load(backends.choose(self.backend, q.device))
+        if self._probe is None or (self._probe.block_size, self._probe.device) != (module.BLOCK_SIZE, q.device):
+            self._probe = _layout_of_mask(np.ones((1, 1, 1, 1), dtype=bool), 1, module.BLOCK_SIZE,
+                                          self.pattern).to(q.device)
+        module.check(q, k, v, self._probe)
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                   scale: float | None = None, return_lse: bool = False,
                   key_padding_mask: torch.Tensor | None = None):
         """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
-        positions), with the pattern's semantics at their absolute positions. ``key_padding_mask`` (B, n_held)
-        bool, True = padding, masks held keys as ``sparse_attention``'s does (a padded batch). Where the cache
-        holds the whole past (nothing dropped yet: a prefill), the pattern's own layout; elsewhere a layout of the held positions
+        positions), with the pattern's semantics at their absolute positions (counted from each example's start,
+        ``set_starts``). ``key_padding_mask`` (B, n_held) bool, True = padding, masks held keys as
+        ``sparse_attention``'s does (a padded batch). Where the cache holds the whole past (nothing dropped yet:
+        a prefill), the pattern's own layout; elsewhere a layout of the held positions
         (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask."""
         return_lse = check_bool("return_lse", return_lse)
         n_q, n_held = q.shape[2], keys.shape[2]
@@ -235,8 +357,9 @@ class SparseKVCache:
                 index = torch.from_numpy(order).to(keys.device)
                 keys, values = keys.index_select(2, index), values.index_select(2, index)
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, order]
-            return sparse_attention(q, keys, values, self.pattern, scale=scale, backend=self.backend,
-                                    return_lse=return_lse, key_padding_mask=key_padding_mask)
+            return left_padded_attention(q, keys, values, self.pattern, self._starts, scale=scale,
+                                         backend=self.backend, return_lse=return_lse,
+                                         key_padding_mask=key_padding_mask)
         block_size = backends.load(backends.choose(self.backend, q.device)).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
@@ -244,7 +367,7 @@ class SparseKVCache:
         for start in range(0, n_q, step):
             rows = slice(start, min(start + step, n_q))
             mask = allowed_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1],
-                                        key_padding_mask=key_padding_mask)
+                                        key_padding_mask=key_padding_mask, starts=self._starts)
             layout = self._layout_of(mask, q.shape[1], block_size)
             parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, backend=self.backend,
                                           return_lse=True))
@@ -266,13 +389,21 @@ class SparseKVCache:
 
 
 def allowed_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
-                         heads: int = 1, key_padding_mask=None) -> np.ndarray:
+                         heads: int = 1, key_padding_mask=None, starts=None) -> np.ndarray:
     """The token mask (B or 1, H or 1, rows, keys) of :func:`layout_at_positions`."""
     heads = check_int("heads", heads, 1)
     pattern.check_heads(heads)
     i, j = np.asarray(query_positions, dtype=np.int64)[:, None], np.asarray(key_positions, dtype=np.int64)[None, :]
-    mask = np.stack([np.broadcast_to(resolve(pattern, context._replace(head=h)).allows(i, j), (i.size, j.size))
-                     for h in range(heads if pattern.head_dependent else 1)])[None]   # (1, H or 1, rows, keys)
+    if starts is None:
+        mask = _allowed(pattern, context, i, j, heads)[None]                          # (1, H or 1, rows, keys)
+    else:
+        starts = check_starts(starts, None)
+        mask = np.zeros((len(starts), heads if pattern.head_dependent else 1, i.size, j.size), dtype=bool)
+        for start in np.unique(starts):                    # each example's positions count from its start
+            n_k = context.n_k - int(start)
+            if n_k > 0:
+                shifted = Context(max(1, min(context.n_q, n_k)), n_k, 0)
+                mask[starts == start] = _allowed(pattern, shifted, i - start, j - start, heads)
     if key_padding_mask is not None:
         check_token_mask("key_padding_mask", key_padding_mask, None, j.size)
         padding = np.asarray(torch.as_tensor(key_padding_mask).cpu())                  # (B, keys)
@@ -280,12 +411,85 @@ def allowed_at_positions(pattern, context: Context, query_positions: np.ndarray,
     return mask
 
 
+def _allowed(pattern, context: Context, i: np.ndarray, j: np.ndarray, heads: int) -> np.ndarray:
+    """(H or 1, rows, keys): the pattern at query positions i (rows, 1) and key positions j (1, keys); a
+    negative position (padding before an example's start) is never allowed."""
+    real = (i >= 0) & (j >= 0)
+    return np.stack([resolve(pattern, context._replace(head=h)).allows(i, j) & real
+                     for h in range(heads if pattern.head_dependent else 1)])
+
+
+def check_starts(starts, batch: int | None) -> np.ndarray:
+    """Each example's first token, (B,) int64 numpy; ``batch`` (None: any) is B.
+
+    >>> check_starts([0, 3], 2).tolist()
+    [0, 3]
+    """
+    if isinstance(starts, torch.Tensor):
+        starts = starts.cpu().numpy()
+    array = np.asarray(starts)
+    shape = "(batch,)" if batch is None else f"({batch},)"
+    if array.dtype.kind not in "iu" or array.ndim != 1 or len(array) == 0 or batch not in (None, len(array)) or \
+            (array < 0).any():
+        raise ValueError(f"starts must be ints >= 0 of shape {shape}, one per example (its first token's position), "
+                         f"got {starts!r}")
+    return array.astype(np.int64)
+
+
+def left_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern, starts, *,
+                          key_padding_mask: torch.Tensor | None = None, **options):
+    """``sparse_attention(q, k, v, pattern, key_padding_mask=..., **options)`` for a left-padded batch: example
+    b's keys before ``starts[b]`` are padding and its pattern positions count from ``starts[b]``, so its rows
+    equal those of its own sequence alone (``Sink``/``Global(first=...)`` on its first real tokens).
+
+    >>> import torch, sparse_attn as sa
+    >>> x = torch.randn(2, 1, 6, 4, dtype=torch.float64)                 # example 1: 2 padding tokens
+    >>> out = left_padded_attention(x, x, x, sa.Local(1) | sa.Global(first=1), [0, 2], backend="reference")
+    >>> alone = sa.sparse_attention(x[1:, :, 2:], x[1:, :, 2:], x[1:, :, 2:], sa.Local(1) | sa.Global(first=1),
+    ...                             backend="reference")
+    >>> torch.equal(out[1:, :, 2:], alone), out[1, :, :2].abs().max().item()     # padding rows: 0
+    (True, 0.0)
+
+    ``starts``: (B,) ints, or None (every example at 0: one ``sparse_attention`` call). Queries are the last
+    Nq positions as always; a query before its example's start returns 0 (lse -inf). One call per distinct
+    start, on that group's rows and keys from the start on (layouts of other lengths: a batch of many
+    different paddings costs one call each).
+    """
+    starts = None if starts is None else check_starts(starts, q.shape[0])
+    if starts is None or not starts.any():
+        return sparse_attention(q, k, v, pattern, key_padding_mask=key_padding_mask, **options)
+    return_lse = check_bool("return_lse", options.pop("return_lse", False))
+    n_q, n_k = q.shape[2], k.shape[2]
+    order, outs, lses = [], [], []
+    for start in np.unique(starts):
+        rows = np.flatnonzero(starts == start)
+        index = torch.from_numpy(rows).to(q.device)
+        first = min(max(int(start) - (n_k - n_q), 0), n_q)       # queries before the start are padding
+        out = q.new_zeros(len(rows), q.shape[1], n_q, v.shape[3])                      # (b, Hq, Nq, D)
+        lse = torch.full((len(rows), q.shape[1], n_q), -torch.inf, device=q.device,
+                         dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        if start < n_k and first < n_q:
+            part_k, part_v = (t if t.shape[0] == 1 else t.index_select(0, index) for t in (k, v))
+            padding = None if key_padding_mask is None else key_padding_mask.index_select(0, index)[:, start:]
+            part_out, part_lse = sparse_attention(
+                q.index_select(0, index)[:, :, first:], part_k[:, :, start:], part_v[:, :, start:], pattern,
+                key_padding_mask=padding if padding is not None and padding.any() else None, return_lse=True,
+                **options)
+            out = torch.cat([out[:, :, :first], part_out], dim=2)
+            lse = torch.cat([lse[:, :, :first], part_lse], dim=2)
+        order.append(rows), outs.append(out), lses.append(lse)
+    inverse = torch.from_numpy(np.argsort(np.concatenate(order))).to(q.device)
+    out, lse = torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
+    return (out, lse) if return_lse else out
+
+
 def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, key_positions: np.ndarray,
-                        heads: int = 1, block_size: int = 64, key_padding_mask=None) -> BlockLayout:
+                        heads: int = 1, block_size: int = 64, key_padding_mask=None, starts=None) -> BlockLayout:
     """The layout of queries and keys at chosen positions of a sequence: row r is the query at
     ``query_positions[r]``, column c the key at ``key_positions[c]`` (any order, gaps allowed), and a pair
     is allowed iff ``pattern``, resolved for ``context`` (the whole sequence's n_q and n_k), allows those
-    positions (and ``key_padding_mask``, (B, keys) bool, True = padding, does not mask the key). Built from
+    positions (and ``key_padding_mask``, (B, keys) bool, True = padding, does not mask the key); with
+    ``starts``, (B,) ints, example b's positions count from ``starts[b]`` (a left-padded batch). Built from
     the token mask, in time and memory O(rows x keys): for a cache's new queries over its held keys.
 
     >>> import sparse_attn as sa
@@ -295,7 +499,7 @@ def layout_at_positions(pattern, context: Context, query_positions: np.ndarray, 
     [[1, 1, 1, 1, 0]]
     """
     heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
-    mask = allowed_at_positions(pattern, context, query_positions, key_positions, heads, key_padding_mask)
+    mask = allowed_at_positions(pattern, context, query_positions, key_positions, heads, key_padding_mask, starts)
     return _layout_of_mask(mask, heads, block_size, pattern)
 
 

@@ -217,3 +217,140 @@ def test_non_contiguous_inputs():
     out = torch.cat([cache.attend(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in [(0, 3), (3, 4), (4, 9)]], 2)
     assert (out - sa.sparse_attention(q, k, v, pattern, backend="reference")).abs().max().item() <= 1e-12
     assert sorted(cache.positions.tolist()) == [1, 2, *range(3, 9)]     # 1 and 3: the window of the chunk at 4
+
+
+# A call that raises leaves the cache exactly as it was (issue 23, item 1): checks run before any change.
+def _state(cache):
+    return cache.seq_len, cache.positions.tolist(), cache.nbytes, repr(cache)
+
+
+def _bad_calls():
+    """(what is wrong, a call on a cache that holds 7 tokens of (1, 2, D 8) float64, the expected error)."""
+    x = torch.randn(1, 2, 1, 8, dtype=torch.float64)
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    return [
+        ("q dtype", lambda c: c.attend(q.float(), x, x), TypeError, "q, k, v must share one dtype"),
+        ("q heads", lambda c: c.attend(q[:, :3], x, x), ValueError, r"k/v heads \(2\) must divide .* q heads \(3\)"),
+        ("q head_dim", lambda c: c.attend(q[..., :4], x, x), ValueError, r"got shape \(1, 2, 1, 8\)"),  # k as passed
+        ("q tokens", lambda c: c.attend(q.repeat(1, 1, 2, 1), x, x), ValueError, "q and k must hold the same new"),
+        ("scale", lambda c: c.attend(q, x, x, scale=-1.0), ValueError, "scale must be a finite positive float"),
+        ("return_lse", lambda c: c.attend(q, x, x, return_lse="yes"), TypeError, "return_lse must be a bool"),
+        ("k type", lambda c: c.update(x.numpy(), x), TypeError, "k must be a torch.Tensor, got ndarray"),
+        ("k dtype", lambda c: c.update(x.long(), x.long()), TypeError, "k and v must be float16, bfloat16, float32"),
+        ("k and v", lambda c: c.update(x, x[..., :4]), ValueError, "k and v must have the same shape"),
+        ("k empty", lambda c: c.update(x[:, :, :0], x[:, :, :0]), ValueError, r"k must have shape .* got \(1, 2, 0, 8\)"),
+        ("k batch", lambda c: c.attend(q.repeat(2, 1, 1, 1), x.repeat(2, 1, 1, 1), x.repeat(2, 1, 1, 1)), ValueError,
+         "does not continue this cache"),
+    ]
+
+
+@pytest.mark.parametrize("what, call, error, message", _bad_calls(), ids=[case[0] for case in _bad_calls()])
+def test_a_call_that_raises_leaves_the_cache_as_it_was(what, call, error, message):
+    """The retry with the right arguments returns the rows attention over the full past returns (the bad q
+    used to be checked after k, v were appended: the retry then saw them twice, max error 0.54)."""
+    pattern, g = sa.Local(3, 0) | sa.Sink(first=1), torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 8, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cache = SparseKVCache(pattern, backend="reference")
+    cache.attend(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+    before = _state(cache)
+    with pytest.raises(error, match=message):
+        call(cache)
+    assert _state(cache) == before
+    out = cache.attend(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:])
+    assert (out - sa.sparse_attention(q[:, :, 7:], k, v, pattern, backend="reference")).abs().max().item() <= 1e-12
+
+
+def test_errors_found_only_by_the_pattern_also_leave_the_cache_as_it_was():
+    """A Blocks grid too short for the next length, a PerHead pattern for another number of heads."""
+    grid = sa.Blocks(np.ones((2, 2), dtype=bool), block_size=4)                      # 8 tokens at most
+    cases = [(grid, torch.randn(1, 1, 8, 4), torch.randn(1, 1, 1, 4), "does not fit n_q=1, n_k=9"),
+             (sa.PerHead([sa.Local(1), sa.Local(2)]), torch.randn(1, 2, 3, 4), torch.randn(1, 4, 1, 4), "PerHead")]
+    for pattern, prefill, step, message in cases:
+        cache = SparseKVCache(pattern, backend="reference")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")                                           # Blocks: keeps every key
+            cache.attend(prefill, prefill[:, :1], prefill[:, :1])
+        before = _state(cache)
+        with pytest.raises(ValueError, match=message):
+            cache.attend(step, step[:, :1], step[:, :1])
+        assert _state(cache) == before
+
+
+def test_a_backend_that_refuses_the_inputs_leaves_the_cache_as_it_was():
+    """Triton's interpreter refuses bfloat16 (tests/conftest.py runs Triton interpreted without a GPU)."""
+    pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU Triton runs bfloat16")
+    cache = SparseKVCache(sa.Local(2), backend="triton")
+    x = torch.randn(1, 1, 3, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="computes tl.dot on bfloat16 wrongly"):
+        cache.attend(x, x, x)
+    assert _state(cache) == (0, [], 0, repr(SparseKVCache(sa.Local(2))))
+
+
+# Left padding (issue 23, item 3): each example's positions count from its first token.
+STARTS = [0, 5, 11]
+
+
+@pytest.mark.parametrize("set_after_prefill", [False, True])
+@pytest.mark.parametrize("pattern", [BOUNDED[0], BOUNDED[2], sa.Local(W - 1, 0) | sa.Sink(tokens=(5, 9))], ids=repr)
+def test_a_left_padded_batch_equals_each_sequence_alone(pattern, set_after_prefill):
+    """Sinks and globals at each example's own first tokens, across eviction and chunks that straddle a start."""
+    chunks, g = SCHEDULES["straddle"], torch.Generator().manual_seed(4)
+    n = sum(chunks)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cache = SparseKVCache(pattern, backend="numba")
+    if not set_after_prefill:
+        cache.set_starts(STARTS)
+    outs, start = [], 0
+    for size in chunks:
+        new = slice(start, start + size)
+        keys, values, positions = cache.update(k[:, :, new], v[:, :, new])
+        if set_after_prefill and start == 0:
+            cache.set_starts(torch.tensor(STARTS))
+        outs.append(cache.attention(q[:, :, new], keys, values, positions))
+        start += size
+    out = torch.cat(outs, 2)                                                            # (3, 4, n, 8)
+    for b, s in enumerate(STARTS):
+        alone = generation_of_one(pattern, chunks, q[b:b + 1], k[b:b + 1], v[b:b + 1], s)
+        assert (out[b:b + 1, :, s:] - alone).abs().max().item() <= 1e-12
+        assert not out[b, :, :s].any()                                                   # padding rows: 0
+    fixed = {p + s for p in cache.retention.fixed for s in STARTS}
+    assert fixed <= set(cache.positions.tolist()) and len(cache.positions) < n
+    assert cache.starts.tolist() == STARTS
+
+
+def generation_of_one(pattern, chunks, q, k, v, start):
+    """The outputs of one example's own sequence (from ``start``) under the same chunk boundaries, each chunk
+    over the full past, by the reference backend in float64."""
+    outs, end = [], 0
+    for size in chunks:
+        first, end = max(end, start), end + size
+        if end > start:
+            outs.append(sa.sparse_attention(q[:, :, first:end], k[:, :, start:end], v[:, :, start:end], pattern,
+                                            backend="reference"))
+    return torch.cat(outs, 2)
+
+
+def test_set_starts_errors_leave_the_cache_as_it_was():
+    cache = SparseKVCache(sa.Local(2, 0) | sa.Sink(first=1), backend="reference")
+    x = torch.randn(2, 1, 6, 4)
+    cache.attend(x, x, x)
+    for _ in range(4):                                     # position 3 (example 1's sink if it started at 3) goes
+        cache.attend(x[:, :, :1], x[:, :, :1], x[:, :, :1])
+    before = _state(cache)
+    with pytest.raises(ValueError, match=r"set_starts\(\[0, 3\]\) needs the keys at positions \[3\], which this "
+                                         r"cache has already dropped"):
+        cache.set_starts([0, 3])
+    with pytest.raises(ValueError, match=r"starts must be ints >= 0 of shape \(2,\), one per example"):
+        cache.set_starts([0, 1, 2])
+    with pytest.raises(ValueError, match="starts must be ints >= 0"):
+        cache.set_starts([0, -1])
+    with pytest.raises(ValueError, match="starts must be ints >= 0"):
+        cache.set_starts([0.0, 1.0])
+    assert _state(cache) == before and cache.starts is None
+    fresh = SparseKVCache(sa.Local(2, 0) | sa.Sink(first=1), backend="reference")
+    fresh.set_starts([0, 2, 4])
+    with pytest.raises(ValueError, match="k has batch 2 but set_starts gave 3 starts"):
+        fresh.update(x, x)
+    assert fresh.seq_len == 0 and fresh.nbytes == 0
