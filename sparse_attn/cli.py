@@ -2,13 +2,13 @@
 
     sparse-attn info                                  versions, devices, backends
     sparse-attn patterns                              presets with density at 4K and 16K tokens
-    sparse-attn show "Local(64) | Global(first=2)" --seq-len 4k [--heads 0,1] [--out fig.png]
+    sparse-attn show "Local(64) | Global(first=2)" [--seq-len 4k] [--heads 0,1] [--out fig.png]
     sparse-attn bench --quick                         time and memory versus N, JSON + markdown + PNG
 
-PATTERN arguments are a preset name (``bigbird-itc``), a TOML file or an expression over the pattern
-constructors, read by ``sparse_attn.expression.parse_pattern``. Sizes take ``k`` (1024) and ``M``
-(1024**2) suffixes. Errors in the arguments print ``sparse-attn: error: ...`` and exit with status 2,
-before any work.
+PATTERN arguments are a benchmark label (``longformer``), a preset name (``bigbird-itc``), a TOML file or an
+expression over the pattern constructors, read the same way by every subcommand (``read_pattern``). Sizes take
+``k`` (1024) and ``M`` (1024**2) suffixes. Errors in the arguments print ``sparse-attn: error: ...`` and exit
+with status 2, before any work; a reader that stops early (``| head``) ends the command quietly.
 
 This module parses arguments, calls the library and prints; ``--help`` imports neither torch nor
 matplotlib; each subcommand imports what it uses.
@@ -68,8 +68,19 @@ def _check_bench_dir(out: Path, overwrite: bool) -> None:
         raise UsageError(f"--out {out} is a file; bench writes a directory (results.json, results.md, time.png, "
                          f"memory.png)")
     if (out / "results.json").exists() and not overwrite:
-        raise UsageError(f"--out {out} already holds results.json; pass --overwrite to replace it, or another --out")
+        raise UsageError(f"--out {out} already holds results.json; pass --overwrite to replace it, another --out, "
+                         f"or no --out (a fresh {BENCH_OUT}-N folder)")
     _writable_dir(out, f"--out {out}")
+
+
+def fresh_bench_dir(base: Path) -> Path:
+    """``base`` if it holds no results yet, else the first ``base-2``, ``base-3``, ... that holds none: where
+    ``bench`` without ``--out`` writes, so that re-running it keeps the earlier runs."""
+    candidate, number = base, 1
+    while (candidate / "results.json").exists() or candidate.is_file():
+        number += 1
+        candidate = base.with_name(f"{base.name}-{number}")
+    return candidate
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,8 +118,22 @@ def cmd_patterns(args) -> None:
     print("\ntoken density = allowed token pairs / N^2; show one with: sparse-attn show NAME --seq-len 4096")
 
 
+def read_pattern(text: str) -> tuple[Pattern, int | None]:
+    """PATTERN as every subcommand reads it: a benchmark label (``bench.PATTERNS``), then what
+    ``parse_pattern`` reads. Returns (pattern, heads its file declares or None).
+
+    >>> read_pattern("longformer")
+    (Local(256) | Global(first=16), None)
+    """
+    from .bench import PATTERNS
+
+    return parse_pattern(text, named=PATTERNS)
+
+
 def cmd_show(args) -> None:
-    pattern, file_heads = parse_pattern(args.pattern)
+    from . import viz
+
+    pattern, file_heads = read_pattern(args.pattern)
     n_heads = args.num_heads or file_heads or per_head_count(pattern) or (max(args.heads) + 1 if args.heads else 1)
     heads = list(dict.fromkeys(args.heads or range(min(n_heads, 4))))
     if max(heads) >= n_heads:
@@ -118,6 +143,9 @@ def cmd_show(args) -> None:
         if len(heads) > _FIGURE_HEADS:
             raise UsageError(f"--heads: a figure draws at most {_FIGURE_HEADS} heads, got {len(heads)}; "
                              f"write several figures")
+        if args.zoom is not None and args.zoom > viz.ZOOM_MAX:
+            raise UsageError(f"--zoom {args.zoom:,}: the zoom draws at most {viz.ZOOM_MAX:,} tokens a side at token "
+                             f"level; the block grid above it shows the whole sequence")
         _check_figure_path(args.out)
     try:
         layout = pattern.layout(args.seq_len, heads=n_heads, block_size=args.block_size)
@@ -128,12 +156,12 @@ def cmd_show(args) -> None:
                          f"{args.block_size:,} cannot be built here ({type(error).__name__}: {error}); use a "
                          f"smaller --seq-len, --num-heads or --block-size") from None
     dense_flops = layout.dense_flops(args.head_dim)
-    print(layout)
+    print(layout)                        # its summary, and its block grid up to 64 blocks a side
+    if layout.bin_factor(_ASCII_SIDE) > 1:
+        print("  " + viz.ascii_grid(layout, max_side=_ASCII_SIDE).replace("\n", "\n  "))
     print(f"  forward FLOPs (head_dim {args.head_dim}) {layout.flops(args.head_dim):.3g} = "
           f"{layout.flops(args.head_dim) / dense_flops:.2%} of dense ({dense_flops:.3g})")
     if args.out:
-        from . import viz
-
         viz.plot_layout(layout, heads=heads, zoom=args.zoom).savefig(args.out, dpi=110)
         print(f"wrote {args.out}")
 
@@ -144,7 +172,7 @@ def bench_patterns(labels: Sequence[str], num_heads: int) -> dict[str, Pattern]:
 
     patterns = {}
     for label in labels:
-        pattern, file_heads = parse_pattern(label, named=bench.PATTERNS)
+        pattern, file_heads = read_pattern(label)
         try:
             pattern.check_heads(num_heads)
         except ValueError as error:
@@ -178,6 +206,8 @@ def cmd_bench(args) -> None:
 
     from . import bench
 
+    if args.out is None:
+        args.out = Path(BENCH_OUT) if args.overwrite else fresh_bench_dir(Path(BENCH_OUT))
     settings = bench.settings(args.quick, patterns=args.patterns, lengths=args.lengths,
                               implementations=args.backends, repeats=args.repeats, timeout=args.timeout)
     patterns = bench_patterns(settings.patterns, args.num_heads)
@@ -244,6 +274,10 @@ def _bounded(maximum: float):
 
 
 _FIGURE_HEADS = 16        # show --out: one column per head
+_ASCII_SIDE = 64          # show: cells a side of the text grid (print(layout) draws it unbinned up to 64 blocks)
+_SHOW_LENGTH = 4096       # show's default --seq-len: 64 blocks of 64, every block a cell of the text grid
+BENCH_OUT = "bench-results"
+_BROKEN_PIPE = 141        # exit status when the reader of stdout left: 128 + SIGPIPE, as a shell tool's
 _TIMEOUT_MAX = 1e6        # seconds (11 days): subprocess waits overflow past about 2e6 s
 _MEMORY_LIMIT_MAX = 1e6   # GB: RLIMIT_AS is a 64-bit byte count
 
@@ -262,10 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="PATTERN: a preset name, a .toml file, or an expression such as "
                                       "\"Local(64) | Global(first=2)\". Sizes accept 4096, 4k (x 1024), 1M "
                                       "(x 1024**2).")
-    show.add_argument("pattern", metavar="PATTERN", help=f"a preset ({', '.join(presets.list_presets())}), a .toml "
-                      f"file or an expression")
-    show.add_argument("--seq-len", type=_count, required=True, metavar="N", help="sequence length, e.g. 4096 or 4k "
-                      "(required)")
+    show.add_argument("pattern", metavar="PATTERN", help=f"a benchmark label ({', '.join(PATTERNS)}), a preset "
+                      f"({', '.join(presets.list_presets())}), a .toml file or an expression")
+    show.add_argument("--seq-len", type=_count, default=_SHOW_LENGTH, metavar="N", help="sequence length, e.g. "
+                      f"4096 or 4k (default {_short(_SHOW_LENGTH)})")
     show.add_argument("--heads", type=_head_list, metavar="0,1,...", help=f"heads to draw, at most "
                       f"{_FIGURE_HEADS} (default: the first 4)")
     show.add_argument("--num-heads", type=_count, metavar="H", help="heads of the layout (default: the preset "
@@ -273,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--block-size", type=_count, default=64, metavar="B", help="block size (default 64)")
     show.add_argument("--head-dim", type=_count, default=64, metavar="D", help="head dim for the FLOP count "
                       "(default 64)")
-    show.add_argument("--zoom", type=_count, metavar="T", help="tokens in the zoomed corner of the figure "
-                      "(default 4 blocks, at most N)")
+    show.add_argument("--zoom", type=_count, metavar="T", help="tokens in the zoomed corner of the figure, at most "
+                      "8K (default 16 blocks, at most N)")
     show.add_argument("--out", type=Path, metavar="FILE.png", help="write a figure; its directory is created "
                       "(default: none; needs matplotlib)")
     show.set_defaults(run=cmd_show)
@@ -285,10 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK.patterns)}, N = "
                        f"{', '.join(map(_short, QUICK.lengths))}, {', '.join(QUICK.implementations)}, forward, "
                        f"{QUICK.repeats} timed calls per point: a few minutes (default: off)")
-    bench.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR", help="output directory "
-                       "(default: bench-results); an existing results.json is kept unless --overwrite")
-    bench.add_argument("--overwrite", action="store_true", help="replace the results already in --out "
-                       "(default: refuse)")
+    bench.add_argument("--out", type=Path, metavar="DIR", help=f"output directory; an existing results.json is "
+                       f"kept unless --overwrite (default: {BENCH_OUT}, or {BENCH_OUT}-2, -3, ... when it holds "
+                       f"results: every run gets a fresh folder)")
+    bench.add_argument("--overwrite", action="store_true", help=f"replace the results already in --out, or in "
+                       f"{BENCH_OUT} without --out (default: refuse)")
     labels = [f"{label} (= {expression})" for label, expression in PATTERNS.items() if label != expression]
     bench.add_argument("--patterns", nargs="+", metavar="PATTERN", help=f"{', '.join(labels)}, a preset "
                        f"({', '.join(presets.list_presets())}), a .toml file or an expression "
@@ -335,11 +370,24 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         args.run(args)
+        sys.stdout.flush()               # a reader that left shows here, not at exit
     except (UsageError, PatternTextError, ImportError) as error:
         parser.exit(2, f"sparse-attn: error: {error}\n")
     except KeyboardInterrupt:
         parser.exit(130, "sparse-attn: interrupted\n")
+    except BrokenPipeError:              # `sparse-attn show ... | head`: stop quietly, as a shell tool does
+        _drop_stdout()
+        return _BROKEN_PIPE
     return 0
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that Python's flush at exit finds no closed pipe to complain about."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+    except (OSError, ValueError):        # stdout is no file (replaced by a caller): nothing is flushed to a pipe
+        pass
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ import numpy as np
 from .blocks import ceil_div
 from .layout import BlockLayout
 
-_GRID_PIXELS = 512        # block grids larger than this are binned (a pixel shows its most-computed block)
+_GRID_PIXELS = 128        # cells a side of the block grid and the zoom: 1.8 pixels or more each at 100 dpi
+_MARGIN = 0.02            # white space inside a panel's frame, as a fraction of its side: row 0 is not under it
+ZOOM_MAX = 8192           # tokens a side of plot_layout's zoom (its token mask is built whole: 64 MiB here)
+_ZOOM_BLOCKS = 16         # the zoom's default side, in blocks: wider than a window of a few blocks
+_EDGES_DRAWN = 32         # block edges drawn on the zoom up to this many a side
 _LABELLED_TOKENS = 48     # plot_attention writes token labels up to this many tokens
 _COLORS = {"skipped": "#ffffff", "partial": "#f4a259", "full": "#1d4e89"}
 
@@ -40,8 +44,13 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
     Args:
         layout: a BlockLayout (``pattern.layout(n, heads=..., block_size=...)``).
         heads: the heads to draw, default ``range(min(heads, 4))``.
-        zoom: side of the top-left corner drawn at token level, default ``4 * block_size`` (at most N).
+        zoom: side of the top-left corner drawn at token level, default 16 blocks (at most N and ``ZOOM_MAX``).
         batch: the example, for layouts built with per-example masks.
+
+    Neither panel drops a lone row or column (a global token): each has at most 128 cells a side, at least
+    1.8 pixels each at 100 dpi or more; where a cell stands for several blocks or tokens it shows the most
+    computed of them (the grid) or is lit when any of its pairs is allowed (the zoom); and a little white
+    space inside each frame keeps row 0 and column 0 clear of it.
     """
     plt = _pyplot()
     from matplotlib.colors import ListedColormap
@@ -52,30 +61,31 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
         raise ValueError("heads must name at least one head to draw, got none; e.g. heads=[0]")
     for h in heads:
         layout.check_example_head(batch, h)
-    if zoom is not None and (isinstance(zoom, bool) or not isinstance(zoom, int) or zoom < 1):
-        raise ValueError(f"zoom must be a number of tokens >= 1 (or None for 4 blocks), got {zoom!r}")
-    zoom = min(zoom or 4 * layout.block_size, layout.n_q, layout.n_k)
+    zoom = _zoom_side(layout, zoom)
     figure, axes = plt.subplots(2, len(heads), figsize=(max(3.2 * len(heads) + 0.6, 6.4), 6.8), squeeze=False,
                                 gridspec_kw={"height_ratios": [1, 1]})
     colours = ListedColormap([_COLORS["skipped"], _COLORS["partial"], _COLORS["full"]])
-    zoom_mask = layout.row_mask(0, ceil_div(zoom, layout.block_size))                # (Bl, Hl, rows, n_k)
     factor = layout.bin_factor(_GRID_PIXELS)
     for column, h in enumerate(heads):
         grid = layout.block_grid(batch, h, max_side=_GRID_PIXELS)
         top = axes[0, column]
         top.imshow(grid, cmap=colours, vmin=0, vmax=2, interpolation="nearest",
                    extent=(0, layout.n_k, layout.n_q, 0))
+        _inset(top, layout.n_q, layout.n_k)
         top.set_title(f"head {h}: blocks of {layout.block_size}" + (f" (binned {factor}x)" if factor > 1 else ""),
                       fontsize=9)
         top.add_patch(plt.Rectangle((0, 0), zoom, zoom, fill=False, edgecolor="#d62828", linewidth=1.2))
-        mask = zoom_mask[layout.check_example_head(batch, h)]
+        pixels, pooled = any_pool(corner_mask(layout, batch, h, zoom), _GRID_PIXELS)
         bottom = axes[1, column]
-        bottom.imshow(mask[:zoom, :zoom].cpu().numpy(), cmap=ListedColormap(["#ffffff", "#333333"]), vmin=0, vmax=1,
+        bottom.imshow(pixels, cmap=ListedColormap(["#ffffff", "#333333"]), vmin=0, vmax=1,
                       interpolation="nearest", extent=(0, zoom, zoom, 0))
-        for edge in range(layout.block_size, zoom, layout.block_size):
-            bottom.axhline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
-            bottom.axvline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
-        bottom.set_title(f"tokens 0..{zoom - 1} (red box above)", fontsize=9)
+        _inset(bottom, zoom, zoom)
+        if zoom // layout.block_size <= _EDGES_DRAWN:
+            for edge in range(layout.block_size, zoom, layout.block_size):
+                bottom.axhline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
+                bottom.axvline(edge, color="#d62828", linewidth=0.5, alpha=0.6)
+        bottom.set_title(f"tokens 0..{zoom - 1} (red box above)"
+                         + (f", {pooled}x{pooled} tokens a pixel" if pooled > 1 else ""), fontsize=9)
         for ax in (top, bottom):
             ax.tick_params(labelsize=7)
             ax.set_xlabel("key position", fontsize=8)
@@ -88,6 +98,75 @@ def plot_layout(layout: BlockLayout, heads=None, zoom: int | None = None, batch:
                   loc="lower center", ncol=3, fontsize=8, frameon=False)
     _suptitle(figure, title or f"{layout.pattern!r}, N={layout.n_q:,}, density {layout.density:.2%}", bottom=0.04)
     return figure
+
+
+def _inset(ax, rows: int, cols: int) -> None:
+    """Limits a little past the image's top and left, so that row 0 and column 0 are not drawn under the frame."""
+    ax.set_xlim(-_MARGIN * cols, cols)
+    ax.set_ylim(rows, -_MARGIN * rows)
+
+
+def _zoom_side(layout: BlockLayout, zoom: int | None) -> int:
+    """The zoom's side in tokens: ``zoom`` (checked), else 16 blocks; at most N."""
+    if zoom is not None and (isinstance(zoom, bool) or not isinstance(zoom, int) or not 1 <= zoom <= ZOOM_MAX):
+        raise ValueError(f"zoom must be a number of tokens from 1 to {ZOOM_MAX} (or None for 16 blocks), got "
+                         f"{zoom!r}; the block grid shows larger spans")
+    return min(zoom or _ZOOM_BLOCKS * layout.block_size, layout.n_q, layout.n_k)
+
+
+def corner_mask(layout: BlockLayout, batch: int, head: int, side: int) -> np.ndarray:
+    """Token mask of the top-left ``side`` x ``side`` pairs of one (example, head), from the blocks that hold
+    them: memory side², never a row of N keys.
+
+    >>> import sparse_attn as sa
+    >>> corner_mask(sa.Local(1).layout(1024, block_size=4), 0, 0, 4).astype(int).tolist()
+    [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    """
+    b, h = layout.check_example_head(batch, head)
+    (tq, tk), masks = layout.tile_shape, layout.masks.cpu().numpy()
+    rows, cols = ceil_div(side, tq), ceil_div(side, tk)
+    tiles = np.zeros((rows, tq, cols, tk), dtype=bool)                          # (row block, tq, col block, tk)
+    for ptr, idx, tile in ((layout.full_ptr, layout.full_idx, None),
+                           (layout.part_ptr, layout.part_idx, layout.part_mask)):
+        bounds = ptr[b, h, :rows + 1].cpu().numpy()                       # entries of row blocks 0 .. rows-1
+        entries = np.arange(bounds[0], bounds[-1])
+        row = np.searchsorted(bounds, entries, side="right") - 1
+        col = idx[bounds[0]:bounds[-1]].cpu().numpy()
+        shown = col < cols
+        tiles[row[shown], :, col[shown], :] = True if tile is None else masks[tile[entries[shown]].cpu().numpy()]
+    return tiles.reshape(rows * tq, cols * tk)[:side, :side]
+
+
+def any_pool(mask: np.ndarray, max_side: int) -> tuple[np.ndarray, int]:
+    """``mask`` binned into at most ``max_side`` cells a side, a cell lit when any of its pairs is: (cells,
+    pairs a cell side).
+
+    >>> any_pool(np.eye(4, dtype=bool), 2)[0].astype(int).tolist()
+    [[1, 0], [0, 1]]
+    """
+    factor = max(1, ceil_div(max(mask.shape), max_side))
+    rows, cols = ceil_div(mask.shape[0], factor), ceil_div(mask.shape[1], factor)
+    padded = np.zeros((rows * factor, cols * factor), dtype=bool)
+    padded[:mask.shape[0], :mask.shape[1]] = mask
+    return padded.reshape(rows, factor, cols, factor).any(axis=(1, 3)), factor
+
+
+def ascii_grid(layout: BlockLayout, head: int = 0, batch: int = 0, max_side: int = 64) -> str:
+    """The block grid of one (example, head) as text, binned to at most ``max_side`` cells a side; a cell shows
+    the most computed of its blocks, so a lone global row or column stays in view.
+
+    >>> import sparse_attn as sa
+    >>> print(ascii_grid((sa.Local(64) | sa.Global(first=1)).layout(1024, block_size=64), max_side=4))
+    head 0, 4 x 4 blocks a cell ('#' holds a full block, '+' a partial one, '.' none):
+    #+++
+    +#+.
+    ++#+
+    +.+#
+    """
+    factor = layout.bin_factor(max_side)
+    rows = ["".join(".+#"[state] for state in row) for row in layout.block_grid(batch, head, max_side=max_side)]
+    return "\n".join([f"head {head}, {factor} x {factor} blocks a cell ('#' holds a full block, '+' a partial one, "
+                      f"'.' none):", *rows])
 
 
 def _wrap(text: str, inches: float, fontsize: float) -> str:

@@ -58,6 +58,47 @@ def test_bench_records_timeouts_and_keeps_going():
     assert statuses[("sdpa-dense", 128)] == "timeout" and statuses[("sdpa-dense", 256)] == "skipped"
 
 
+def test_dense_sdpa_runs_once_per_length_not_once_per_pattern(monkeypatch):
+    """Issue 23, finding 15: the pattern-independent dense baseline ran once per pattern (~90 of 308 s)."""
+    ran = []
+
+    def fake_point(point):
+        ran.append((point["pattern_label"], point["implementation"], point["n"]))
+        status = "timeout" if point["implementation"] == "sdpa-dense" and point["n"] == 512 else "ok"
+        return {"status": status, "time_s": point["n"] / 1e4, "memory_mb": 1.0}
+
+    monkeypatch.setattr(harness, "run_point", fake_point)
+    patterns = {"a": sa.Local(1), "b": sa.Local(2)}
+    results = bench.sweep(patterns, [256, 512, 1024], ["sdpa-dense", "sdpa-masked"], progress=False)
+    assert [r for r in ran if r[1] == "sdpa-dense"] == [("a", "sdpa-dense", 256), ("a", "sdpa-dense", 512)]
+    assert [r for r in ran if r[1] == "sdpa-masked"] == [(p, "sdpa-masked", n) for p in "ab" for n in (256, 512, 1024)]
+    dense = {(p["pattern_label"], p["n"]): p for p in results["points"] if p["implementation"] == "sdpa-dense"}
+    assert dense[("b", 256)] == {**dense[("a", 256)], "pattern_label": "b", "same_as": "a"}
+    assert [dense[("b", n)]["status"] for n in (256, 512, 1024)] == ["ok", "timeout", "skipped"]
+    text = bench.tables(results)
+    assert text.count("`sdpa-dense` does not read the pattern: its row is the one measured under a.") == 1
+
+
+def test_tables_show_how_memory_and_time_grow():
+    """Finding 16: the table says at a glance which memory is O(N) and which O(N^2)."""
+    points = [{"pattern_label": "p", "implementation": name, "n": n, "status": "ok", "time_s": n ** t / 1e6,
+               "memory_mb": n ** m / 1e3} for name, m, t in (("linear", 1, 2), ("square", 2, 1)) for n in (1024, 4096)]
+    points += [{"pattern_label": "p", "implementation": "once", "n": 1024, "status": "ok", "time_s": 1.0,
+                "memory_mb": 1.0}, {"pattern_label": "p", "implementation": "once", "n": 4096, "status": "oom"}]
+    text = bench.tables({"patterns": {"p": "Local(1)"}, "implementations": {"linear": "", "square": "", "once": ""},
+                         "points": points})
+    assert "| implementation | 1,024 | 4,096 | memory grows as | time grows as |" in text
+    assert "| N^1.0 | N^2.0 |" in text.splitlines()[4] and "| N^2.0 | N^1.0 |" in text.splitlines()[5]
+    assert text.splitlines()[6].endswith("| oom [1] |  |  |")                  # one point: no growth to show
+
+
+@pytest.mark.parametrize("run", ["bench", "quick"])
+def test_committed_bench_tables_are_rendered_from_the_committed_json(run):
+    """README's main-job numbers come from these files; the tables (growth columns included) are the JSON's."""
+    folder = BENCHMARKS / "results" / run
+    assert bench.markdown(json.loads((folder / "results.json").read_text())) == (folder / "results.md").read_text()
+
+
 def test_bench_availability():
     assert peers.longformer_window(sa.Local(256) | sa.Global(first=16)) == (256, sa.Global(first=16))
     assert peers.longformer_window(sa.Local(1)) == (1, None)

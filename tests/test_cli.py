@@ -5,6 +5,7 @@ subprocess, where what is imported and the whole command line matter.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -116,6 +117,71 @@ def test_long_expressions_are_parsed_not_looked_up_as_files(capsys):
     assert "BlockLayout of Local(0) | Local(1)" in stdout
 
 
+def grid_rows(stdout: str) -> list[str]:
+    """The rows of the text block grid that ``show`` printed (the lines after its 'head 0' header)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("head 0")) + 1
+    return [line.strip() for line in lines[start:] if set(line.strip()) <= set("#+.") and line.strip()]
+
+
+def test_show_has_a_default_length_that_shows_a_global_token(capsys):
+    """Issue 23, finding 15: --seq-len was required; the default shows every block, the global row and column."""
+    code, stdout, err = call(capsys, "show", "longformer()")
+    assert code == 0, err
+    assert "tokens 4096 x 4096" in stdout
+    rows = grid_rows(stdout)
+    assert len(rows) == 64 and stdout.count("head 0") == 1
+    assert ("." not in rows[0]) and all(row[0] != "." for row in rows)            # token 0: a global row and column
+    assert rows[-1].startswith("+") and rows[-1][1:].count(".") > 50                 # not all lit
+
+
+def test_show_bins_the_text_grid_of_long_sequences_keeping_globals_lit(capsys):
+    """Past 64 blocks the layout prints no grid; show prints one binned to 64 cells, a cell lit when any of its
+    blocks is computed, so token 0's row and column stay visible."""
+    code, stdout, err = call(capsys, "show", "longformer()", "--seq-len", "64k")
+    assert code == 0, err
+    assert stdout.count("head 0") == 1 and "16 x 16 blocks a cell" in stdout
+    rows = grid_rows(stdout)
+    assert len(rows) == 64 and all(len(row) == 64 for row in rows)
+    assert "." not in rows[0] and all(row[0] != "." for row in rows)
+    assert rows[32][32] == "#" and rows[32][48] == "."
+
+
+def test_show_and_bench_read_pattern_text_alike(capsys, monkeypatch, tmp_path):
+    """Finding 15: `show longformer` was refused while `bench --patterns longformer` ran it; one reader now."""
+    monkeypatch.setattr(harness, "run_point", fake_point)
+    for label, text in bench.PATTERNS.items():
+        code, stdout, err = call(capsys, "show", label, "--seq-len", "1k")
+        assert code == 0, err
+        assert stdout.startswith(f"BlockLayout of {parse_pattern(text)[0]!r}")
+        code, _, err = call(capsys, "bench", "--patterns", label, "--lengths", "256", "--backends", "sdpa-dense",
+                            "--no-progress", "--out", str(tmp_path / label))
+        results = json.loads((tmp_path / label / "results.json").read_text())
+        assert code == 0 and results["patterns"] == {label: repr(parse_pattern(text)[0])}, err
+    assert cli.read_pattern("longformer") == (parse_pattern(bench.PATTERNS["longformer"])[0], None)
+
+
+def test_show_zoom_is_bounded_before_any_work(capsys, tmp_path):
+    code, _, err = call(capsys, "show", "Local(4)", "--seq-len", "64k", "--zoom", "16k", "--out",
+                        str(tmp_path / "fig.png"))
+    assert code == 2 and "--zoom 16,384: the zoom draws at most 8,192 tokens" in err
+    assert not (tmp_path / "fig.png").exists()
+
+
+@pytest.mark.parametrize("args", [["show", "longformer()"], ["patterns"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(args):
+    """Finding 15: `sparse-attn show ... | head` printed a BrokenPipeError traceback. Here stdout is a pipe whose
+    reader has already left, so the first write fails; the command stops quietly with 128 + SIGPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "sparse_attn", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=240)
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 141
+
+
 # ------------------------------------------------------------------------------------------------
 # bench
 # ------------------------------------------------------------------------------------------------
@@ -145,9 +211,25 @@ def test_bench_refuses_to_overwrite_results_unless_asked(capsys, monkeypatch, tm
     assert call(capsys, *args)[0] == 0
     first = (tmp_path / "results.json").read_text()
     code, _, err = call(capsys, *args)
-    assert code == 2 and "already holds results.json; pass --overwrite" in err
+    assert code == 2 and "already holds results.json; pass --overwrite to replace it" in err
+    assert "or no --out (a fresh bench-results-N folder)" in err
     assert (tmp_path / "results.json").read_text() == first
     assert call(capsys, *args, "--overwrite")[0] == 0
+
+
+def test_bench_without_out_writes_a_fresh_folder_each_run(capsys, monkeypatch, tmp_path):
+    """Finding 15: re-running README's main job exited 2 because bench-results/ held the first run's results.
+    Without --out every run gets its own folder and the earlier runs stay."""
+    monkeypatch.setattr(harness, "run_point", fake_point)
+    monkeypatch.chdir(tmp_path)
+    args = ["bench", "--quick", "--lengths", "256", "--no-progress"]
+    for folder in ("bench-results", "bench-results-2", "bench-results-3"):
+        code, stdout, err = call(capsys, *args)
+        assert code == 0, err
+        assert f"wrote {folder}/results.json" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench-results", "bench-results-2", "bench-results-3"]
+    code, stdout, _ = call(capsys, *args, "--overwrite")                 # --overwrite: the default folder, replaced
+    assert code == 0 and "wrote bench-results/results.json" in stdout and not (tmp_path / "bench-results-4").exists()
 
 
 def test_bench_checks_its_output_before_running_any_point(capsys, monkeypatch, tmp_path):
@@ -310,7 +392,7 @@ _PATTERNS_TOO_DEEP = "(" * 300 + "Local(1)" + ")" * 300
     (["show", "Local(-1)", "--seq-len", "64"], "Local before must be >= 0, got -1"),
     (["show", "Lòcal(1)", "--seq-len", "64"], "'Lòcal' is not a pattern constructor"),
     (["show", "Local(1)\udcff", "--seq-len", "64"], "is not valid UTF-8 text"),      # the byte 0xff in argv
-    (["show", "longformer", "--seq-len", "64"], "longformer must be called"),
+    (["show", "bigbird", "--seq-len", "64"], "bigbird must be called"),
     (["show", "../x", "--seq-len", "64"], "no pattern file at ../x"),
     (["show", "a" * 300 + ".toml", "--seq-len", "64"], "File name too long"),
     (["show", "Local(4)", "--seq-len", "0"], "expected a positive integer"),

@@ -10,10 +10,10 @@ from sparse_attn import viz  # noqa: E402
 
 def test_plot_layout_has_a_grid_and_a_zoom_per_head(tmp_path):
     layout = sa.preset("bigbird-itc").layout(1024, heads=3)
-    figure = viz.plot_layout(layout, heads=[0, 2])
+    figure = viz.plot_layout(layout, heads=[0, 2], zoom=128)
     assert len(figure.axes) == 4
-    zoom = figure.axes[3].images[0].get_array()                     # bottom row, head 2: tokens 0..255
-    assert (zoom == layout.to_dense()[0, 2, :256, :256].numpy()).all()
+    zoom = figure.axes[3].images[0].get_array()                     # bottom row, head 2: tokens 0..127
+    assert (zoom == layout.to_dense()[0, 2, :128, :128].numpy()).all()
     assert "head 2" in figure.axes[1].get_title()
     figure.savefig(tmp_path / "layout.png")
     assert (tmp_path / "layout.png").stat().st_size > 1000
@@ -21,9 +21,41 @@ def test_plot_layout_has_a_grid_and_a_zoom_per_head(tmp_path):
         viz.plot_layout(layout, heads=[5])
     with pytest.raises(ValueError, match="heads must name at least one head to draw, got none"):
         viz.plot_layout(layout, heads=[])
-    for zoom in (0, -4, 2.5, True):
-        with pytest.raises(ValueError, match=f"zoom must be a number of tokens >= 1 .*, got {zoom!r}"):
+    for zoom in (0, -4, 2.5, True, viz.ZOOM_MAX + 1):
+        with pytest.raises(ValueError, match=f"zoom must be a number of tokens from 1 to 8192 .*, got {zoom!r}"):
             viz.plot_layout(layout, zoom=zoom)
+
+
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_plot_layout_keeps_a_lone_global_token_in_view(n):
+    """Issue 23, finding 15: at the default size the zoom of Longformer (Local(256) | Global(tokens=(0,))) was all
+    black (4 blocks, all inside the window) and a lone row at the frame was drawn under it. Now: a zoom of 16
+    blocks, any-allowed pooling, no more cells than pixels, and white space between row 0 and the frame."""
+    layout = sa.longformer().layout(n)
+    figure = viz.plot_layout(layout)
+    figure.set_dpi(100)
+    figure.canvas.draw()
+    top, bottom = figure.axes
+    grid, zoom = top.images[0].get_array(), bottom.images[0].get_array()
+    assert (grid[0] > 0).all() and (grid[:, 0] > 0).all()                       # the global row and column
+    assert zoom[0].all() and zoom[:, 0].all() and not zoom.all()               # visible against the window
+    for ax, image in ((top, grid), (bottom, zoom)):
+        box = ax.get_window_extent()
+        assert min(box.width, box.height) >= max(image.shape)                  # no cell dropped when drawn
+        assert ax.get_ylim()[1] < 0 and ax.get_xlim()[0] < 0                    # row 0 and column 0 inside the frame
+
+
+def test_plot_layout_zoom_never_builds_a_row_of_n_keys(monkeypatch):
+    """The zoom came from layout.row_mask: (rows, N) per stored head, a GiB at 1M tokens with a zoom of 1K."""
+    layout = (sa.Local(256) | sa.Global(first=16)).layout(2 ** 20, heads=2)
+    corner = (sa.Local(256) | sa.Global(first=16)).layout(1024).to_dense()[0, 0].numpy()    # the same 1K corner
+
+    def whole_rows(*args):
+        raise AssertionError("plot_layout built rows of N keys")
+
+    monkeypatch.setattr(type(layout), "row_mask", whole_rows)
+    zoom = viz.plot_layout(layout).axes[2].images[0].get_array()                   # head 0, bottom row
+    assert (zoom == viz.any_pool(corner, 128)[0]).all()
 
 
 def _inside(figure, artist) -> bool:
@@ -40,7 +72,7 @@ def test_plot_layout_title_fits_and_labels_are_not_repeated():
     top, bottom = figure.axes[:3], figure.axes[3:]
     assert [ax.get_ylabel() for ax in top + bottom] == ["query position", "", ""] * 2   # one per row
     assert all(ax.get_xlabel() == "key position" for ax in figure.axes)
-    assert [ax.get_title() for ax in bottom] == ["tokens 0..255 (red box above)"] * 3   # the head is named above
+    assert [ax.get_title() for ax in bottom] == ["tokens 0..1023 (red box above), 8x8 tokens a pixel"] * 3
 
 
 @pytest.mark.parametrize("n", [10, 300])

@@ -24,6 +24,8 @@ IMPLEMENTATIONS = {
     "hf-longformer": "transformers LongformerSelfAttention (with its q/k/v projections), Local|Global only",
 }
 
+PATTERN_FREE = ("sdpa-dense",)  # implementations that never read the pattern: one point per N serves every pattern
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:

@@ -1,13 +1,21 @@
 """The results of a sweep as files: results.json, results.md (one table per pattern), time.png, memory.png.
 
 >>> results = {"patterns": {"p": "Local(1)"}, "implementations": {"x": ""},
-...            "points": [{"pattern_label": "p", "implementation": "x", "n": 1024, "status": "ok",
-...                        "time_s": 0.5, "memory_mb": 3.0}]}
->>> print(tables(results).splitlines()[2])
-| implementation | 1,024 |
+...            "points": [{"pattern_label": "p", "implementation": "x", "n": n, "status": "ok",
+...                        "time_s": n / 2048, "memory_mb": n / 256} for n in (1024, 2048)]}
+>>> for line in tables(results).splitlines()[2:5]:
+...     print(line)
+| implementation | 1,024 | 2,048 | memory grows as | time grows as |
+|---|---:|---:|---:|---:|
+| x | 0.5 / 4 | 1 / 8 | N^1.0 | N^1.0 |
+
+The last two columns say at a glance how each implementation scales: the exponent k of N^k between the two
+largest N it ran (an N x N mask's memory grows as N^2; the memory of a sparse kernel, and of dense flash
+attention, as N^1; dense attention's time as N^2).
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .results import write_results
@@ -15,7 +23,9 @@ from .results import write_results
 LEGEND = ("Cells: time (s) / memory (MB); `*` = too slow to repeat, the warm-up call was measured (its memory "
           "includes the set-up); `oom` = out of memory, `timeout` = ran past the time limit, `error` = failed, "
           "`-` = skipped after `oom` or `timeout` at a smaller N, `n/a` = cannot run here; `[k]` = the reason, "
-          "under the table.")
+          "under the table. `N^k`: how memory and time grow between the two largest N the row ran, k = "
+          "log(ratio of the values) / log(ratio of the N): N^1 is linear (a sparse pattern's memory, and dense "
+          "flash attention's), N^2 quadratic (an N x N mask's memory, dense attention's time).")
 
 
 def write(results: dict, out: Path) -> list[Path]:
@@ -59,14 +69,32 @@ def tables(results: dict) -> str:
         points = [p for p in results["points"] if p["pattern_label"] == label]
         lengths = sorted({p["n"] for p in points})
         lines += [f"## {label}: `{expression.replace('|', chr(92) + '|')}`", "",
-                  "| implementation | " + " | ".join(f"{n:,}" for n in lengths) + " |",
-                  "|---|" + "---:|" * len(lengths)]
+                  "| implementation | " + " | ".join(f"{n:,}" for n in lengths) + " | memory grows as | time grows as |",
+                  "|---|" + "---:|" * (len(lengths) + 2)]
         notes: dict[str, int] = {}  # reason -> its number under this table
         for name in results["implementations"]:
-            cells = {p["n"]: _cell(p, notes) for p in points if p["implementation"] == name}
-            lines.append(f"| {name} | " + " | ".join(cells.get(n, "") for n in lengths) + " |")
+            row = [p for p in points if p["implementation"] == name]
+            cells = {p["n"]: _cell(p, notes) for p in row}
+            lines.append(f"| {name} | " + " | ".join(cells.get(n, "") for n in lengths)
+                         + f" | {_growth(row, 'memory_mb')} | {_growth(row, 'time_s')} |")
         lines += [""] + [f"- [{number}] {reason}" for reason, number in notes.items()] + ([""] if notes else [])
+        lines += [f"`{name}` does not read the pattern: its row is the one measured under {first}.\n"
+                  for name, first in _repeated_rows(points).items()]
     return "\n".join(lines + [LEGEND, ""])
+
+
+def _growth(row: list[dict], key: str) -> str:
+    """``N^k`` between the two largest N of ``row`` that ran, k to one decimal; '' with fewer than two."""
+    done = sorted((p["n"], p[key]) for p in row if p["status"] == "ok" and p[key] > 0)
+    if len(done) < 2:
+        return ""
+    (n0, v0), (n1, v1) = done[-2:]
+    return f"N^{math.log(v1 / v0) / math.log(n1 / n0):.1f}"
+
+
+def _repeated_rows(points: list[dict]) -> dict[str, str]:
+    """implementation -> the pattern it ran under, for the rows of ``points`` that repeat another pattern's."""
+    return {p["implementation"]: p["same_as"] for p in points if p.get("same_as") not in (None, p["pattern_label"])}
 
 
 def _cell(point: dict, notes: dict[str, int]) -> str:

@@ -2,7 +2,9 @@
 
 A point that is out of memory or past its time limit stops its line: the larger N of the same
 (pattern, implementation) are recorded as skipped. An implementation that cannot run here is
-recorded as unavailable with its reason, decided once before any point runs.
+recorded as unavailable with its reason, decided once before any point runs. An implementation that
+never reads the pattern (``PATTERN_FREE``: dense SDPA) runs once per N; the other patterns' rows
+repeat that point, with ``"same_as"`` naming the pattern it ran under.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from .. import machine
 from ..pattern import Pattern
 from . import harness
-from .config import IMPLEMENTATIONS
+from .config import IMPLEMENTATIONS, PATTERN_FREE
 from .implementations import unavailable_reasons
 from .results import write_json
 
@@ -39,19 +41,24 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
                "implementations": {name: IMPLEMENTATIONS[name] for name in implementations}, "points": []}
     planned = [(label, name, n) for label in patterns for name in implementations for n in sorted(lengths)]
     stopped: dict[tuple[str, str], str] = {}
+    pattern_free: dict[tuple[str, int], dict] = {}  # (implementation, N) -> its point, under the first pattern
     for label, name, n in _progress(planned, progress):
         point = {"pattern_label": label, "implementation": name, "n": n}
         if (label, name) in unavailable:
             result = {"status": "unavailable", "error": unavailable[(label, name)]}
         elif (label, name) in stopped:
             result = {"status": "skipped", "error": stopped[(label, name)]}
+        elif (name, n) in pattern_free:
+            result = pattern_free[(name, n)]
         else:
             result = harness.run_point({**point, "pattern": patterns[label].to_dict(), "batch": batch,
                                         "heads": heads, "head_dim": head_dim, "block_size": block_size,
                                         "backward": backward, "repeats": repeats, "timeout": timeout,
                                         "device": device, "memory_limit_gb": memory_limit_gb})
-            if result["status"] in ("oom", "timeout"):
-                stopped[(label, name)] = f"{result['status']} at N={n}"
+            if name in PATTERN_FREE:
+                pattern_free[(name, n)] = {**result, "same_as": label}
+        if result["status"] in ("oom", "timeout"):
+            stopped[(label, name)] = f"{result['status']} at N={n}"
         results["points"].append({**point, **result})
         if out is not None:
             write_json(out / "results.json", results)
