@@ -170,7 +170,7 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
             positions = None if positions is None else np.flatnonzero(positions).astype(np.int64)
         else:
             spans = documents.example(b)
-            groups = _document_classes(spans, step, pattern.head_dependent, positions, padding)  # for every head
+            groups = _document_classes(spans, step, positions, padding)  # for every head
         for h in range(n_heads):
             if documents is None:
                 ctx = Context(n_q, n_k, h)
@@ -300,13 +300,14 @@ def _document_blocks(pattern, head: int, causal: bool, groups: list, spans: Span
     return keys, full, np.where(tile >= 0, np.searchsorted(used, tile), -1), pool[used]
 
 
-def _document_classes(spans: Spans, step: int, per_document: bool, global_row, padding_row):
+def _document_classes(spans: Spans, step: int, global_row, padding_row):
     """Classes of documents resolving to the same blocks: ``(key, member indices)``, the key being (length,
-    offset in the first block, id, global positions, padded positions) with the last three None where they
-    play no part (positions within the document, as int64 bytes). Documents with their own global tokens
-    or padding, and every document of a pattern that draws per document, form classes by those values."""
+    offset in the first block, global positions, padded positions) with the last two None where they play no
+    part (positions within the document, as int64 bytes). Documents with their own global tokens or padding
+    form classes by those values; every other document by its length and offset alone (a pattern, Random's
+    draws included, depends on nothing else)."""
     length, offset = spans.length, spans.start % step
-    own = np.full(len(length), per_document)
+    own = np.zeros(len(length), dtype=bool)
     for row in (global_row, padding_row):
         if row is not None:
             before = np.concatenate([[0], np.cumsum(row)])
@@ -315,10 +316,10 @@ def _document_classes(spans: Spans, step: int, per_document: bool, global_row, p
     code = length[shared] * step + offset[shared]
     values, inverse = np.unique(code, return_inverse=True)
     groups = np.split(shared[np.argsort(inverse, kind="stable")], np.cumsum(np.bincount(inverse.reshape(-1)))[:-1])
-    classes = {(int(v // step), int(v % step), None, None, None): g for v, g in zip(values, groups)}
+    classes = {(int(v // step), int(v % step), None, None): g for v, g in zip(values, groups)}
     for d in np.flatnonzero(own):
         s, e = spans.start[d], spans.start[d] + length[d]
-        key = (int(length[d]), int(offset[d]), int(spans.id[d]) if per_document else None,
+        key = (int(length[d]), int(offset[d]),
                *(None if row is None or not row[s:e].any() else np.flatnonzero(row[s:e]).astype(np.int64).tobytes()
                  for row in (global_row, padding_row)))
         classes.setdefault(key, []).append(d)
@@ -328,8 +329,8 @@ def _document_classes(spans: Spans, step: int, per_document: bool, global_row, p
 def _document_class(pattern, head: int, causal: bool, key: tuple, step: int):
     """``_blocks_and_tiles`` of a class's document alone (``key`` from ``_document_classes``), in the grid of
     its offset, cut blocks kept as tiles."""
-    length, offset, document, global_positions, padded = key
-    ctx = Context(length, length, head, document or 0)
+    length, offset, global_positions, padded = key
+    ctx = Context(length, length, head)
     if global_positions is not None:
         global_positions = np.frombuffer(global_positions, np.int64)
     padding = None

@@ -71,7 +71,7 @@ Predicate = Callable[[Indices], torch.Tensor]
 
 
 class _Documents(NamedTuple):
-    """Packed documents: host spans (to draw Random per document) and per-token lookups (B, n) on the device."""
+    """Packed documents: host spans (to draw Random per length) and per-token lookups (B, n) on the device."""
 
     spans: Spans
     ids: torch.Tensor          # (B, n) int64 document id of each token, -1 = padding
@@ -365,8 +365,8 @@ def _blocks(spec, env, heads, siblings) -> Predicate:
 
 @builder("random")
 def _random(spec, env, heads, siblings) -> Predicate:
-    """A bool table of the tiles drawn for each head (and document), by ``sparse_attn.rules.random_tiles`` with
-    the union siblings the layout excludes: n_q / u x n_k / u entries per head, where u is the tile."""
+    """A bool table of the tiles drawn for each head (and document length), by ``sparse_attn.rules.random_tiles``
+    with the union siblings the layout excludes: n_q / u x n_k / u entries per head, where u is the tile."""
     docs = env.documents
     rows, slot = env.head_slots(heads)
     if docs is None:
@@ -382,18 +382,20 @@ def _random(spec, env, heads, siblings) -> Predicate:
         if first:
             return lambda x: table[slot(x.h), x.i // u - first, x.j // u]
         return lambda x: table[slot(x.h), x.i // u, x.j // u]
-    # documents: each draws its own tiles in its own grid; the grids are laid end to end in one flat table
+    # documents: each draws in its own grid as a sequence by itself, so documents of one length draw the same
+    # tiles; one grid per distinct length, the grids laid end to end in one flat table
     spans, n = docs.spans, env.n_k
     u = min(spec.block_size, n)  # a tile past a document's length is its one tile, as with min(tile, length)
-    width = ceil_div(spans.length, u)                                     # (documents,) tiles a side
-    base = np.concatenate([[0], np.cumsum(width * width)])                # (documents + 1,) offsets
-    tiles = np.zeros((rows, max(int(base[-1]), 1)), dtype=bool)         # (heads used, tiles of every document)
-    for d, (length, document) in enumerate(zip(spans.length.tolist(), spans.id.tolist())):
+    lengths, grid_of = np.unique(spans.length, return_inverse=True)       # (lengths,), (documents,)
+    width = ceil_div(lengths, u)                                          # (lengths,) tiles a side
+    base = np.concatenate([[0], np.cumsum(width * width)])                # (lengths + 1,) offsets
+    tiles = np.zeros((rows, max(int(base[-1]), 1)), dtype=bool)         # (heads used, tiles of every length)
+    for g, length in enumerate(lengths.tolist()):
         for row, h in enumerate(heads):
-            tiles[row, base[d] + _drawn(spec, Context(length, length, h, document), siblings).chosen] = True
+            tiles[row, base[g] + _drawn(spec, Context(length, length, h), siblings).chosen] = True
     table = env.tensor(tiles)
-    tile_base = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), base[:-1]))   # (B, n)
-    tile_width = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), width))      # (B, n)
+    tile_base = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), base[grid_of]))  # (B, n)
+    tile_width = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), width[grid_of]))  # (B, n)
     last = tiles.shape[1] - 1
 
     def random_in_documents(x):

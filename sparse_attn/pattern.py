@@ -431,14 +431,20 @@ class Dense(Pattern):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Random(Pattern):
-    """Random key blocks (BigBird): each (head, query block) gets ``blocks`` key blocks.
+    """Random key blocks (BigBird): each (head, query block) gets ``blocks`` key blocks before its own.
 
-    Blocks are ``block_size`` positions and chosen among the key blocks that the other members of
-    the same union leave untouched, deterministically from (seed, head, query block): no global RNG,
-    identical in training and evaluation (and in a decode step), different across heads.
+    Blocks are ``block_size`` positions. Query block R (positions ``R * block_size ..``) draws among
+    the key blocks 0 .. R - 1 that the other members of the same union leave untouched at the block's
+    first position, deterministically from (seed, head, R): no global RNG, different across heads, and
+    never from the sequence length, so training, evaluation, every longer sequence and a decode step
+    see the same keys at a position. A query block with fewer free blocks takes all of them (block 0
+    has none).
 
-    >>> int(Random(2, block_size=4).mask(32)[0, 0].sum())
-    8
+    >>> mask = Random(2, block_size=4).mask(32)[0]             # 8 query blocks of 4 tokens
+    >>> mask[31].nonzero().flatten().tolist()                  # the last block draws 2 of blocks 0 .. 6
+    [8, 9, 10, 11, 12, 13, 14, 15]
+    >>> [int(mask[r].sum()) for r in (0, 4, 8)]                # blocks 0, 1, 2: none, block 0, 2 blocks
+    [0, 4, 8]
     """
 
     kind: ClassVar[str] = "random"

@@ -50,13 +50,11 @@ from .blocks import block_bounds, ceil_div
 
 
 class Context(NamedTuple):
-    """One (n_q, n_k, head) a pattern is resolved for; ``document`` is the id of a packed document resolved
-    as a sequence by itself (0 for a sequence that is not packed), which only Random's draws depend on."""
+    """One (n_q, n_k, head) a pattern is resolved for."""
 
     n_q: int
     n_k: int
     head: int
-    document: int = 0
 
     @property
     def shift(self) -> int:
@@ -497,30 +495,33 @@ def _resolve_blocks(spec, ctx):
 
 
 def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule | None) -> TilesRule:
-    """``blocks`` random tiles of ``tile`` positions per tile row, skipping tiles that ``excluded`` touches.
+    """``blocks`` random tiles of ``tile`` positions for every tile row R, among the key tiles before it
+    (0 .. R - 1) that ``excluded`` leaves untouched at the row's first position ``R * tile``.
 
-    A tile row's picks depend on (seed, head, row) alone, so only the rows holding a query are picked: a
-    decode step (n_q = 1) costs one row, and sees the tiles the full sequence's last row sees.
+    A row's draw reads only keys before that position and the row's first query, which exist in every
+    sequence holding any query of the row: it depends on (seed, head, R) and never on n_q or n_k. So a
+    decode step, a chunk of a prefill and every longer sequence see at a position the tiles the full
+    sequence sees there, and only the rows holding a query are drawn (a decode step costs one row).
+
+    >>> rule = random_tiles(1, 0, 4, Context(n_q=16, n_k=16, head=0), excluded=None)
+    >>> (rule.chosen // rule.n_kt).tolist(), bool((rule.chosen % rule.n_kt < rule.chosen // rule.n_kt).all())
+    ([1, 2, 3], True)
     """
-    u = min(tile, ctx.n_k)  # a wider tile is the same single tile over every key
-    n_qt = n_kt = ceil_div(ctx.n_k, u)
-    first = max(ctx.n_k - ctx.n_q, 0) // u  # the tile row of the first query position
-    rows_ctx = Context(ctx.n_k - first * u, ctx.n_k, ctx.head)  # bottom-right aligned: block row r = tile first + r
-    blocked = np.zeros(0, dtype=np.int64)
-    if excluded is not None:
-        blocked = block_table(excluded, rows_ctx, u)[0] + first * n_kt
-    rows = np.arange(first, n_qt, dtype=np.int64)
-    n_free = n_kt - _count_in(blocked, rows * n_kt, rows * n_kt + n_kt - 1)
+    u = min(tile, ctx.n_k)  # a tile as long as the sequence has no tile before it, as with any longer tile
+    n_kt = ceil_div(ctx.n_k, u)
+    rows = np.arange(max(ctx.shift, 0) // u, n_kt, dtype=np.int64)  # the tile rows holding a query
+    blocked = np.zeros(0, dtype=np.int64) if excluded is None else _touched_before(excluded, ctx, u, rows, n_kt)
+    n_free = rows - _count_in(blocked, rows * n_kt, rows * n_kt + rows - 1)
     every = rows[n_free <= blocks]  # these rows take all their free tiles, without drawing
-    free = _ranges_to_keys(every, np.zeros_like(every), np.full_like(every, n_kt - 1), n_kt)
+    free = _ranges_to_keys(every, np.zeros_like(every), every - 1, n_kt)
     free = free[~_member(blocked, free)]
     taken = np.insert(blocked, np.searchsorted(blocked, free), free)  # sorted merge: blocked may be most tiles
     rows, n_free = rows[n_free > blocks], n_free[n_free > blocks]
-    for t in range(blocks if rows.size else 0):  # here blocks < n_free <= n_kt
+    for t in range(blocks if rows.size else 0):  # here blocks < n_free <= R
         # the pick-th free tile of the row: the least c with c - #taken(<= c) == pick, found by bisection as
-        # that count never decreases in c (log2(n_kt) steps, however densely the other members take the row)
-        pick = (_hash(seed, ctx.head, ctx.document, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
-        lo, hi = pick, np.full_like(pick, n_kt - 1)
+        # that count never decreases in c (log2(R) steps, however densely the other members take the row)
+        pick = (_hash(seed, ctx.head, rows, t) % (n_free - t).astype(np.uint64)).astype(np.int64)
+        lo, hi = pick, rows - 1
         while (lo < hi).any():
             mid = (lo + hi) // 2
             enough = mid - _count_in(taken, rows * n_kt, rows * n_kt + mid) >= pick
@@ -530,11 +531,33 @@ def random_tiles(blocks: int, seed: int, tile: int, ctx: Context, excluded: Rule
     return TilesRule(np.setdiff1d(taken, blocked, assume_unique=True), u, n_kt)
 
 
-def _hash(seed: int, head: int, document: int, rows: np.ndarray, t: int) -> np.ndarray:
-    """splitmix64 of (seed, head, document, row, t): a counter-based random uint64 per row. Document 0 adds
-    nothing, so a sequence that is not packed draws as before."""
-    base = (seed * 0x9E3779B97F4A7C15 ^ (head + 1) * 0xBF58476D1CE4E5B9 ^ (t + 1) * 0x94D049BB133111EB
-            ^ document * 0xD1B54A32D192ED03) % 2**64
+def _touched_before(rule: Rule, ctx: Context, u: int, rows: np.ndarray, n_kt: int) -> np.ndarray:
+    """Sorted keys ``R * n_kt + c`` (c < R, R in ``rows``) of the key tiles that ``rule`` touches at position
+    ``R * u``: the rule's candidates in the grid of tile rows, or every tile before the row (in chunks).
+    ``rows`` are consecutive and never empty (the last query is at position n_k - 1, in the last tile row)."""
+    first = int(rows[0])
+    rows_ctx = Context(ctx.n_k - first * u, ctx.n_k, ctx.head)  # bottom-right aligned: block row r = tile first + r
+    keys = rule.candidates(rows_ctx, u)
+    if keys is None:
+        rows_per_chunk = max(1, _DENSE_CHUNK // n_kt)
+        chunks = (rows[s:s + rows_per_chunk] for s in range(0, rows.size, rows_per_chunk))
+        return np.concatenate([_touched_at_first_positions(rule, u, n_kt,
+                                                           _ranges_to_keys(r, np.zeros_like(r), r - 1, n_kt))
+                               for r in chunks])
+    keys = keys + first * n_kt
+    return _touched_at_first_positions(rule, u, n_kt, keys[keys % n_kt < keys // n_kt])
+
+
+def _touched_at_first_positions(rule: Rule, u: int, n_kt: int, keys: np.ndarray) -> np.ndarray:
+    """The tiles ``keys`` (R * n_kt + c, c < R) that ``rule`` touches at position R * u."""
+    first_position, first_key = keys // n_kt * u, keys % n_kt * u
+    nonempty, _, _ = rule.classify(Blocks(first_position, first_position, first_key, first_key + u - 1))
+    return keys[np.broadcast_to(nonempty, keys.shape)]
+
+
+def _hash(seed: int, head: int, rows: np.ndarray, t: int) -> np.ndarray:
+    """splitmix64 of (seed, head, row, t): a counter-based random uint64 per row."""
+    base = (seed * 0x9E3779B97F4A7C15 ^ (head + 1) * 0xBF58476D1CE4E5B9 ^ (t + 1) * 0x94D049BB133111EB) % 2**64
     x = np.uint64(base) + rows.astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)  # arrays wrap silently
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
+from sparse_attn import compiler
 from sparse_attn.documents import check_documents, document_spans
 from sparse_attn.rules import Context, resolve
 from tests.test_layout import check_blocks_exact, patterns
@@ -17,17 +18,17 @@ from tests.tolerance import assert_within_rule
 # --- the definition -----------------------------------------------------------------------------
 def document_mask(pattern, ids, heads=1, causal=False, global_mask=None, key_padding_mask=None):
     """(B, H, N, N) bool by the definition: each document's own token mask (its pattern resolved for its
-    length and id, its global tokens and padding) placed on the diagonal; nothing else."""
+    length, its global tokens and padding) placed on the diagonal; nothing else."""
     ids = np.asarray(ids)
     batch, n = ids.shape
     out = torch.zeros(batch, heads, n, n, dtype=torch.bool)
     spans = document_spans(ids)
-    for b, s, length, doc in zip(*spans):
+    for b, s, length, _ in zip(*spans):
         e = s + length
         i = np.arange(length)[:, None]
         j = np.arange(length)[None, :]
         for h in range(heads):
-            m = np.broadcast_to(resolve(pattern, Context(int(length), int(length), h, int(doc))).allows(i, j),
+            m = np.broadcast_to(resolve(pattern, Context(int(length), int(length), h)).allows(i, j),
                                 (length, length)).copy()
             if global_mask is not None:
                 g = np.asarray(global_mask[b, s:e])
@@ -91,17 +92,29 @@ def test_documents_with_causal_padding_and_global_mask():
         check_documents_layout(pattern, ids, global_mask=global_mask)
 
 
-def test_random_draws_per_document_deterministically():
-    pattern = sa.Random(1, seed=5, block_size=4)
-    ids = ids_from([[16] * 6])
-    dense = pattern.layout(96, block_size=16, documents=ids).to_dense()[0, 0]
-    tiles = [dense[16 * d:16 * d + 16, 16 * d:16 * d + 16] for d in range(6)]
-    assert any(not torch.equal(tiles[0], t) for t in tiles[1:])          # documents draw their own tiles
-    assert torch.equal(tiles[0], pattern.mask(16)[0])                     # document 0 draws as a sequence alone
-    relabelled = np.where(ids == 2, 7, ids)                              # document 2 becomes id 7, same place
-    moved = pattern.layout(96, block_size=16, documents=relabelled).to_dense()[0, 0, 32:48, 32:48]
-    alone = pattern.layout(16, block_size=16, documents=np.full((1, 16), 7)).to_dense()[0, 0]
-    assert torch.equal(moved, alone)                                     # the id, not the place, seeds the draws
+def test_random_draws_in_each_document_as_in_a_sequence_alone():
+    """A document draws what the same tokens draw alone (training, evaluation and decoding of that document see
+    one set of keys), whatever its id or place: documents of one length draw alike, and are classified once."""
+    pattern = sa.Random(1, seed=5, block_size=4) | sa.Local(1)
+    ids = ids_from([[16] * 6 + [13, 16]])
+    dense = pattern.layout(125, block_size=16, documents=ids).to_dense()[0, 0]
+    alone = pattern.mask(16)[0]
+    assert alone.sum() > sa.Local(1).mask(16)[0].sum()                   # the document draws random tiles
+    for start in (0, 16, 32, 48, 64, 80, 109):
+        assert torch.equal(dense[start:start + 16, start:start + 16], alone), start
+    assert torch.equal(dense[96:109, 96:109], pattern.mask(13)[0])
+    relabelled = np.where(ids == 2, 70, ids)
+    assert torch.equal(pattern.layout(125, block_size=16, documents=relabelled).to_dense()[0, 0], dense)
+
+
+def test_random_in_many_documents_is_classified_once_per_length_and_offset(monkeypatch):
+    """256 documents of 16 tokens in blocks of 64: one class per offset (0, 16, 32, 48) and head, resolved once,
+    not one per document (milliseconds each: 4,096 documents took seconds)."""
+    resolved = []
+    monkeypatch.setattr(compiler, "resolve", lambda spec, ctx: resolved.append(ctx) or resolve(spec, ctx))
+    check_documents_layout(sa.Random(1, seed=23, block_size=4) | sa.Local(1), ids_from([[16] * 256]), heads=2,
+                           block_size=64)
+    assert len(resolved) == 2 * 4 and {ctx.n_q for ctx in resolved} == {16}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -258,20 +271,20 @@ def test_backend_matches_float64_reference(backend, name):
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 def test_each_document_gives_what_it_gives_alone(backend):
-    """A packed batch through sparse_attention(documents=...) == every document run by itself (ids 0, so
-    Random draws as alone), outputs and gradients; padding rows output 0."""
-    lengths, n, pattern = [[1, 37, 9, 70], [64, 17, 30]], 120, sa.Local(5) | sa.Global(first=1) | sa.Random(1, seed=4)
+    """A packed batch through sparse_attention(documents=...) == every document run by itself (Random included),
+    outputs and gradients; padding rows output 0."""
+    lengths, n = [[1, 37, 9, 70], [64, 17, 30]], 120
+    pattern = sa.Local(5) | sa.Global(first=1) | sa.Random(1, seed=4, block_size=8)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, n, 16, generator=gen, dtype=torch.float64).requires_grad_() for _ in "qkv")
     ids = sa.documents_from_lengths(lengths, n)
     out = sa.sparse_attention(q, k, v, pattern, documents=ids, backend=backend)
     out.square().sum().backward()
     spans = document_spans(ids.numpy())
-    for b, s, length, doc in zip(*spans):
+    for b, s, length, _ in zip(*spans):
         e = s + length
         parts = [t[b:b + 1, :, s:e].detach().clone().requires_grad_() for t in (q, k, v)]
-        alone = sa.sparse_attention(*parts, sa.Local(5) | sa.Global(first=1) | sa.Random(1, seed=4),
-                                    documents=torch.full((1, length), doc), backend=backend)
+        alone = sa.sparse_attention(*parts, pattern, backend=backend)
         alone.square().sum().backward()
         torch.testing.assert_close(out[b:b + 1, :, s:e], alone, rtol=1e-9, atol=1e-9)
         for packed, part in zip((q, k, v), parts):

@@ -73,6 +73,34 @@ def test_random_blocks_of_a_position_do_not_depend_on_n_q(pattern):
     assert torch.equal(pattern.mask(n_k + 10, n_k, heads=3)[:, 10:], full)
 
 
+@pytest.mark.parametrize("pattern", [
+    sa.Random(2, block_size=16),
+    sa.Random(2) & sa.Causal(),
+    sa.Random(3, seed=1, block_size=16) | sa.Local(4),
+    sa.Local(6) | sa.Global(first=3, tokens=(70,)) | sa.Random(2, seed=4, block_size=8),  # a global row mid-tile
+    sa.Stride(20) | sa.Sink(tokens=(21,)) | sa.Random(1, seed=2, block_size=8),
+    (sa.Local(1, block_size=16) | sa.Global(first=16) | sa.Random(3, block_size=16)) & sa.Causal(),
+], ids=repr)
+def test_random_blocks_of_a_position_do_not_depend_on_the_length(pattern):
+    """What a position sees among the keys up to it is the same in every sequence that holds it: the first m
+    rows and keys of a longer sequence are the sequence of m tokens (Random's keys all lie before the query)."""
+    for n in (256, 512):
+        full = pattern.mask(n, heads=2)
+        for m in (1, 15, 16, 17, 100, 255):
+            assert torch.equal(full[:, :m, :m], pattern.mask(m, heads=2)), (n, m)
+    causal = pattern & sa.Causal()
+    full = causal.mask(512, heads=2)
+    for t in (0, 63, 64, 255, 300, 511):                 # a decode step at position t: n_q = 1, n_k = t + 1
+        assert torch.equal(causal.mask(1, t + 1, heads=2)[:, 0], full[:, t, :t + 1]), t
+
+
+def test_random_keys_lie_in_tiles_before_the_query():
+    mask = sa.Random(3, seed=5, block_size=8).mask(200, heads=4)                    # (H, N, N)
+    i, j = torch.arange(200)[:, None], torch.arange(200)[None, :]
+    assert not (mask & (j // 8 >= i // 8)).any()
+    assert (mask.reshape(4, 25, 8, 200).any(2).sum(-1) == torch.arange(25).clamp(max=3) * 8).all()
+
+
 def test_global_tokens_beyond_length_are_ignored():
     assert torch.equal(sa.Global(tokens=(1, 100)).mask(4), sa.Global(tokens=(1,)).mask(4))
 
@@ -93,11 +121,13 @@ class TestRandom:
         extra = (mask & ~rest_mask).reshape(4, 16, 4, 16, 4)           # (H, row tile, 4, col tile, 4)
         tiles = extra.any(dim=(2, 4))                                  # (H, 16, 16) chosen tiles
         assert torch.equal(extra.all(dim=(2, 4)), tiles), "random blocks are whole tiles"
-        counts = tiles.sum(-1)
-        assert (counts[:, 1:] == 2).all(), "every non-global row gets exactly 2 random blocks"
-        assert (counts[:, 0] == 0).all(), "the global row has no free block left"
         touched = rest_mask.reshape(4, 16, 4, 16, 4).any(dim=(2, 4))
         assert not (tiles & touched).any(), "random blocks avoid blocks the other members touch"
+        before = torch.ones(16, 16, dtype=torch.bool).tril(-1)       # key tiles before the row's own
+        assert not (tiles & ~before).any(), "random blocks lie before their row"
+        free = (before & ~touched).sum(-1)                             # (H, 16): tile 0 is global, R - 1 window
+        assert free[0].tolist() == [0, 0, 0, 1] + [r - 2 for r in range(4, 16)]
+        assert torch.equal(tiles.sum(-1), free.clamp(max=2)), "2 random blocks, or every free one where fewer"
 
     def test_deterministic_per_seed_and_different_per_head(self):
         p = sa.Random(3, seed=7, block_size=8)
@@ -116,8 +146,9 @@ class TestRandom:
         torch.randn(10)
         assert torch.equal(a, p.mask(64))
 
-    def test_more_blocks_than_exist_takes_every_block(self):
-        assert sa.Random(10, block_size=4).mask(12).all()
+    def test_more_blocks_than_exist_takes_every_block_before_the_row(self):
+        i, j = torch.arange(12)[:, None], torch.arange(12)[None, :]
+        assert torch.equal(sa.Random(10, block_size=4).mask(12)[0], j // 4 < i // 4)
 
 
 class TestAlgebra:

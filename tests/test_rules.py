@@ -61,12 +61,13 @@ def test_per_head_resolves_the_heads_pattern_and_union_members_are_flattened():
     assert [type(m).__name__ for m in union.members] == ["WindowRule", "StrideRule", "DenseRule"]
 
 
-def test_random_tiles_avoid_the_tiles_of_their_union_siblings():
+def test_random_tiles_lie_before_their_row_and_avoid_the_tiles_of_their_union_siblings():
     ctx = Context(32, 32, 0)
-    rule = resolve(sa.Local(0, block_size=4) | sa.Random(2, seed=1, block_size=4), ctx)
+    rule = resolve(sa.Local(1, 0, block_size=4) | sa.Random(2, seed=1, block_size=4), ctx)
     chosen = rule.members[1].chosen                                     # keys R * 8 + C of 4 x 4 tiles
     rows, cols = chosen // 8, chosen % 8
-    assert (rows != cols).all() and np.array_equal(np.bincount(rows, minlength=8), np.full(8, 2))
+    # the window takes tiles R - 1 and R: row R draws among tiles 0 .. R - 2
+    assert (cols < rows - 1).all() and np.bincount(rows, minlength=8).tolist() == [0, 0, 1, 2, 2, 2, 2, 2]
 
 
 # --- the import graph ---------------------------------------------------------------------------
