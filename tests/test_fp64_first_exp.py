@@ -11,7 +11,7 @@ import sys
 import warnings
 
 ACCURATE = 1e-15        # relative error of a correctly rounded-ish exp: a few ulp (2.2e-16 each)
-PROCESSES = 3           # about half of fresh processes showed it: seen in 7 of 8 runs of this test
+PROCESSES = 3           # it showed in about half of fresh processes: here, then, in about 7 runs of 8 (1 - 1/2**3)
 
 _ERRORS = """
 import json
