@@ -1,4 +1,4 @@
-"""The memory benchmark: time and peak memory of attention versus sequence length.
+"""The benchmark of time and peak memory of attention versus sequence length (`sparse-attn bench`).
 
 >>> from pathlib import Path
 >>> from sparse_attn import bench
