@@ -20,8 +20,12 @@ built once per (pattern, shard sizes, masks) and cached like a layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import numbers
+from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,41 +56,223 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     Returns:
         out (B, Hq, n_rank, D), or ``(out, lse)`` with ``return_lse=True``.
 
-    Every rank must call it with the same pattern, masks, shapes (but its own n_rank) and dtype; a rank
-    that differs makes every rank raise a ValueError instead of hanging.
+    Every rank must call it with the same pattern, masks, shapes (but its own n_rank), dtype and autograd
+    (``requires_grad`` of q, k, v). Each rank checks its arguments first; then the ranks agree, in one
+    ``all_gather`` before any data moves, that every rank's arguments are valid and the same (by a digest of
+    their full content, :func:`content_digest`). A rank whose arguments are invalid raises its error, and
+    every other rank a ValueError naming that rank and its error; ranks that differ make every rank raise
+    a ValueError naming what differs. None of them hangs.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("sparse_attn.distributed.sparse_attention needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) first (or use sparse_attn.sparse_attention "
                            "in a single process)")
+    try:
+        call, failure = _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documents, scale,
+                                    backend, return_lse), None
+    except Exception as error:                      # shared with the other ranks below, then raised here
+        call, failure = None, error
+    table = _agree(call, failure, group, q)
+    shard_sizes = tuple(row[0] for row in table)
+    _check_whole_masks(call, shard_sizes)
+    _check_same(table)
+    n = sum(shard_sizes)
+    layout = resolve_layout(pattern, call.batch, call.q_heads, n, n, call.module.BLOCK_SIZE, call.causal,
+                            key_padding_mask, global_mask, documents)
+    program = _program(layout, shard_sizes, dist.get_rank(group), call.batch, k.shape[0], k.shape[1],
+                       q.element_size(), q.device)
+    call.module.check(q, k, v, program.local_layout)
+    out, lse = _attend(program, q, k, v, call.module, call.scale, group, len(shard_sizes))
+    return (out, lse) if call.return_lse else out
+
+
+# the arguments every rank must share, each compared by its digest (the shard of q, k, v is each rank's own)
+AGREED = ("pattern", "causal", "key_padding_mask", "global_mask", "documents", "scale", "backend",
+          "shapes (batch, heads, head_dim)", "dtype", "requires_grad")
+
+
+class _Call(NamedTuple):
+    """One rank's checked arguments and the digests of those in AGREED (same order)."""
+
+    batch: int
+    q_heads: int
+    n_rank: int
+    causal: bool
+    scale: float
+    module: ModuleType
+    return_lse: bool
+    masks: dict[str, np.ndarray | None]
+    digests: tuple[int, ...]
+
+
+def _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documents, scale, backend,
+                return_lse) -> _Call:
+    """Every check this rank can make alone (it raises what single-process ``sparse_attention`` raises)."""
     batch, q_heads, n_rank, head_dim = check_inputs(q, k, v)
     if k.shape[2] != n_rank:
         raise ValueError(f"q, k and v must be this rank's shard of one sequence (the same n_rank), got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}")
-    return_lse = check_bool("return_lse", return_lse)
-    module = backends.load(backends.choose(backend, q.device))
+    causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
+    name = backends.choose(backend, q.device)
+    module = backends.load(name)
     scale = resolve_scale(scale, head_dim)
-    shard_sizes, fingerprints = _gather(n_rank, _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask,
-                                                             documents, scale, backend), group, q.device)
+    if isinstance(pattern, Pattern):
+        pattern.check_heads(q_heads)
+    elif not isinstance(pattern, BlockLayout):
+        raise TypeError(f"pattern must be a sparse_attn Pattern or BlockLayout, got {type(pattern).__name__}")
+    masks = {"key_padding_mask": _call_data(key_padding_mask), "global_mask": _call_data(global_mask),
+             "documents": _call_data(documents)}
+    recorded = tuple(torch.is_grad_enabled() and t.requires_grad for t in (q, k, v))
+    agreed = (pattern, causal, *masks.values(), scale, (name, q.device.type), (batch, q_heads, head_dim, *k.shape[:2]),
+              str(q.dtype), recorded)
+    return _Call(batch, q_heads, n_rank, causal, scale, module, return_lse, masks,
+                 tuple(content_digest(value) for value in agreed))
+
+
+def _call_data(mask):
+    """A mask or document ids as the values that decide the layout: a numpy array, integers as int64 (so ids
+    of int32 on one rank and int64 on another agree), or None."""
+    if mask is None:
+        return None
+    value = np.asarray(torch.as_tensor(mask).detach().cpu())
+    return value.astype(np.int64) if np.issubdtype(value.dtype, np.integer) else value
+
+
+def _agree(call: _Call | None, failure: Exception | None, group, q) -> list[list[int]]:
+    """One all_gather, once every rank has checked its call: each rank's shard length, its error message's
+    length (0: its checks passed) and its digests, (W, 2 + len(AGREED)) in rank order. If a rank failed,
+    every rank raises here (a failed rank its own error, the others a ValueError naming it and its error)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    message = b"" if failure is None else _describe(failure)
+    row = [0, len(message), *[0] * len(AGREED)] if call is None else [call.n_rank, 0, *call.digests]
+    device = _collective_device(group, q)
+    table = _gather(torch.tensor(row, dtype=torch.int64, device=device), group).tolist()
+    failed = [r for r in range(world) if table[r][1]]
+    if not failed:
+        return table
+    text = torch.zeros(max(table[r][1] for r in failed), dtype=torch.uint8)
+    text[:len(message)] = torch.tensor(list(message), dtype=torch.uint8)
+    texts = _gather(text.to(device), group)                                              # (W, longest) bytes
+    if failure is not None:
+        raise failure
+    reasons = "; ".join(f"rank {r} of {world}: {bytes(texts[r, :table[r][1]].tolist()).decode(errors='replace')}"
+                        for r in failed)
+    raise ValueError(f"sparse_attention failed its argument checks on another rank, so rank {rank} stops too "
+                     f"(no rank waits for the others): {reasons}; fix the call on rank {failed[0]}")
+
+
+def _describe(failure: Exception) -> bytes:
+    """A failed check as the bytes the other ranks print: its type and message, at most 2000 bytes."""
+    text = f"{type(failure).__name__}: {failure}".encode()
+    return text if len(text) <= 2000 else text[:1997] + b"..."
+
+
+def _check_whole_masks(call: _Call, shard_sizes: tuple[int, ...]) -> None:
+    """Masks and documents of the whole sequence, not this rank's part of it."""
     n = sum(shard_sizes)
-    for name, mask in (("key_padding_mask", key_padding_mask), ("global_mask", global_mask),
-                       ("documents", documents)):
-        if mask is not None and getattr(mask, "ndim", 2) == 2 and mask.shape[-1] != n and len(shard_sizes) > 1:
+    for name, mask in call.masks.items():
+        if mask is not None and mask.ndim == 2 and mask.shape[-1] != n and len(shard_sizes) > 1:
             raise ValueError(f"{name} covers the whole sequence: shape (batch, {n}) on every rank (the sum of the "
                              f"shards {list(shard_sizes)}), got {tuple(mask.shape)}; pass the full mask, not "
                              f"this rank's part")
-    if len(set(fingerprints)) > 1:
-        differ = [r for r, fp in enumerate(fingerprints) if fp != fingerprints[0]]
-        raise ValueError(f"the ranks called sparse_attention with different arguments (pattern, masks, documents, "
-                         f"causal, scale, backend, batch, heads, head_dim or dtype): ranks {differ} differ from rank "
-                         f"0; every rank must pass the same ones, only the shard of q, k, v is its own")
-    layout = resolve_layout(pattern, batch, q_heads, n, n, module.BLOCK_SIZE, causal, key_padding_mask,
-                            global_mask, documents)
-    rank = dist.get_rank(group)
-    program = _program(layout, shard_sizes, rank, batch, k.shape[0], k.shape[1], q.element_size(), q.device)
-    module.check(q, k, v, program.local_layout)
-    out, lse = _attend(program, q, k, v, module, scale, group, len(shard_sizes))
-    return (out, lse) if return_lse else out
+
+
+def _check_same(table: list[list[int]]) -> None:
+    """Every rank's digests equal rank 0's, or a ValueError naming the arguments that differ and where."""
+    differ = {name: [r for r, row in enumerate(table) if row[2 + i] != table[0][2 + i]]
+              for i, name in enumerate(AGREED)}
+    found = [f"{name} on ranks {ranks}" for name, ranks in differ.items() if ranks]
+    if found:
+        raise ValueError(f"the ranks called sparse_attention with different arguments: {'; '.join(found)} "
+                         f"differ from rank 0's; every rank must pass the same pattern, masks, documents, causal, "
+                         f"scale, backend, batch, heads, head_dim, dtype and requires_grad of q, k, v, only its "
+                         f"shard of the sequence is its own")
+
+
+def _gather(row: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``row`` (1-D, the same length on every rank), stacked in rank order on the CPU."""
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, row, group=group)
+    return torch.stack(rows).cpu()
+
+
+def _collective_device(group, q) -> torch.device:
+    """Where the group's collectives take tensors: for NCCL q's CUDA device (the current one where q is not a
+    CUDA tensor: a rank whose inputs failed their checks joins the all_gather all the same), else the CPU."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return q.device if isinstance(q, torch.Tensor) and q.device.type == "cuda" else \
+        torch.device("cuda", torch.cuda.current_device())
+
+
+def content_digest(value) -> int:
+    """A 63-bit digest of ``value``'s full content: equal for equal content, different (but for a 2**-63 chance)
+    for any difference. Patterns are read field by field (their kind, every field, recursively through
+    ``|``, ``&``, ``~`` and ``PerHead``; a ``Blocks`` grid by its bytes), a BlockLayout by its lengths, block
+    size and every index tensor, arrays and tensors by dtype, shape and bytes; also tuples, lists, str, bool,
+    int, float and None. Anything else is a TypeError.
+
+    >>> import sparse_attn as sa
+    >>> content_digest(sa.Local(4) | sa.Global(first=1)) == content_digest(sa.Local(4, 4) | sa.Global(first=1))
+    True
+    >>> grid = np.eye(9, dtype=bool)                     # prints as "<bool (9, 9) grid, 9 blocks set>"
+    >>> content_digest(sa.Blocks(grid, 16)) == content_digest(sa.Blocks(grid[::-1], 16))
+    False
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    _feed(digest, value)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def _feed(digest, value) -> None:
+    """Feed ``value`` to ``digest`` in a form that no other value shares: a type tag, then lengths before
+    contents."""
+    if isinstance(value, Pattern):
+        fields = tuple((field.name, getattr(value, field.name)) for field in dataclasses.fields(value))
+        _feed(digest, ("pattern", value.kind, fields))
+    elif isinstance(value, BlockLayout):
+        _feed(digest, ("layout", value.n_q, value.n_k, value.heads, value.block_size, value.causal, tuple(value.index)))
+    elif isinstance(value, torch.Tensor):
+        _feed_tensor(digest, value.detach().cpu())
+    elif isinstance(value, np.ndarray):
+        _feed_bytes(digest, b"a" + repr((value.dtype.str, value.shape)).encode(), np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, (tuple, list)):
+        digest.update(b"t%d:" % len(value))
+        for item in value:
+            _feed(digest, item)
+    elif isinstance(value, (str, bool, np.bool_, numbers.Integral, float, np.floating)) or value is None:
+        _feed_bytes(digest, b"s", _scalar(value).encode())
+    else:
+        raise TypeError(f"content_digest takes patterns, BlockLayouts, arrays, tensors, tuples, lists and scalars, "
+                        f"got {type(value).__name__}: {value!r}")
+
+
+def _scalar(value) -> str:
+    """A scalar as exact, typed text: bools before ints (True is 1), floats in hex."""
+    if value is None:
+        return "none"
+    if isinstance(value, (bool, np.bool_)):
+        return f"bool:{bool(value)}"
+    if isinstance(value, numbers.Integral):
+        return f"int:{int(value)}"
+    if isinstance(value, (float, np.floating)):
+        return f"float:{float(value).hex()}"
+    return f"str:{value}"
+
+
+def _feed_tensor(digest, tensor: torch.Tensor) -> None:
+    """A CPU tensor: as the numpy array of its values where numpy has its dtype, else its raw bytes."""
+    try:
+        _feed(digest, tensor.numpy())
+    except TypeError:                                              # bfloat16 and other dtypes numpy lacks
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        _feed_bytes(digest, b"r" + repr((str(tensor.dtype), tuple(tensor.shape))).encode(), raw)
+
+
+def _feed_bytes(digest, header: bytes, content: bytes) -> None:
+    digest.update(b"%d:%d:" % (len(header), len(content)))
+    digest.update(header)
+    digest.update(content)
 
 
 def _attend(program: RankProgram, q, k, v, module, scale: float, group, world: int):
@@ -179,32 +365,6 @@ def _all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
     return out
-
-
-def _gather(n_rank: int, fingerprint: int, group, device) -> tuple[tuple[int, ...], list[int]]:
-    """Every rank's shard length and argument fingerprint, in rank order (one all_gather)."""
-    mine = torch.tensor([n_rank, fingerprint], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu().tolist()
-    return tuple(n for n, _ in table), [fp for _, fp in table]
-
-
-def _fingerprint(q, k, pattern, causal, key_padding_mask, global_mask, documents, scale, backend) -> int:
-    """A 63-bit digest of the arguments every rank must share (not the shard length)."""
-    digest = hashlib.blake2b(digest_size=8)
-    shapes = (q.shape[0], q.shape[1], q.shape[3], k.shape[0], k.shape[1], str(q.dtype), bool(causal), scale, backend)
-    digest.update(repr(shapes).encode())
-    if isinstance(pattern, BlockLayout):
-        digest.update(repr((pattern.n_q, pattern.n_k, pattern.heads, pattern.block_size, pattern.causal)).encode())
-        for tensor in pattern.index:
-            digest.update(tensor.detach().cpu().numpy().tobytes())
-    else:
-        digest.update(repr(pattern).encode())
-    for mask in (key_padding_mask, global_mask, documents):
-        value = None if mask is None else np.asarray(torch.as_tensor(mask).detach().cpu())
-        digest.update(b"-" if value is None else repr((value.shape, str(value.dtype))).encode() + value.tobytes())
-    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 @functools.lru_cache(maxsize=32)

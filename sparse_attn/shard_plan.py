@@ -22,6 +22,8 @@ step, in work proportional to the layout's blocks:
    its own keys, and the owner combines the partial results by their log-sum-exp. It ships when the
    bytes of the key/value vectors it alone would fetch exceed the bytes of its queries sent to every
    other rank and of their partial results coming back (``_choose_shipped`` says how that is counted).
+   A sequence of one block never ships: every rank's rows share that block, and fetching moves at most
+   its other keys (so any number of ranks can split a sequence shorter than a block, a token or more each).
 4. Every other segment is computed where it lives, over the rank's own keys and the remote keys its
    rows need, fetched at token granularity (a Longformer window fetches exactly its halo).
 
@@ -134,8 +136,12 @@ class ShardPlan:
         # a shipped row moves its query (itemsize per element) and its partial result back (out and lse, in
         # float32, float64 for float64 inputs); a fetched key vector moves a key and a value
         ship_weight = (itemsize + (8 if itemsize == 8 else 4)) / (2 * itemsize)
-        shipped = _choose_shipped(needs, segments, len(shard_sizes), *_kv_keys(needs.group, layout, kv_batch, kv_heads),
-                                  kv_batch, kv_heads, ship_copies=q_batch * layout.heads, ship_weight=ship_weight)
+        if layout.n_q_blocks == 1:                                   # one block: fetch, never ship (step 3)
+            shipped = np.zeros(len(segments["block"]), dtype=bool)
+        else:
+            shipped = _choose_shipped(needs, segments, len(shard_sizes), *_kv_keys(needs.group, layout, kv_batch,
+                                      kv_heads), kv_batch, kv_heads, ship_copies=q_batch * layout.heads,
+                                      ship_weight=ship_weight)
         return cls(layout, shard_sizes, q_batch, kv_batch, kv_heads, needs, shipped, segments)
 
     def _fetch_table(self) -> dict[str, np.ndarray]:

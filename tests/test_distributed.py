@@ -15,8 +15,10 @@ The ShardPlan tests need no processes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import socket
 import time
 import traceback
@@ -137,6 +139,11 @@ CASES = {
     "numba": Case(LONGFORMER, 512, {2: (200, 312), 4: (100, 150, 62, 200)}, backend="numba"),
     "numba-float32": Case(BIGBIRD, 256, even(256, 2, 4), dtype=torch.float32, backend="numba"),
     "numba-float32-shipped": Case(LONGFORMER, 512, {4: (100, 150, 62, 200)}, dtype=torch.float32, backend="numba"),
+    # a sequence shorter than one block over more ranks than blocks: every rank's rows share the one block
+    "shorter-than-a-block-causal": Case(sa.Causal(), 20, {2: (10, 10), 4: (10, 5, 1, 4)}),
+    "shorter-than-a-block-global": Case(sa.Global(first=3) | sa.Local(2), 39, {2: (20, 19), 4: (1, 6, 19, 13)},
+                                        batch=2, call=masks(2, 39, 3, padding=0.2)),
+    "one-block-numba": Case(sa.Dense(), 64, {2: (40, 24), 4: (16, 16, 16, 16)}, dtype=torch.float32, backend="numba"),
     "numba-documents-gqa": Case(sa.Local(10) | sa.Global(first=1), 300, {2: (100, 200), 4: (1, 99, 100, 100)},
                                 batch=2, heads=4, kv_heads=2, backend="numba",
                                 call={"documents": sa.documents_from_lengths([[70, 45, 120, 50], [130, 1]], 300)}),
@@ -204,7 +211,7 @@ def check_repeatable(rank: int, world: int, group) -> None:
 def check_different_patterns(rank: int, world: int, group) -> None:
     """Ranks passing different patterns: a ValueError on every rank, no hang."""
     q = torch.randn(1, 2, 32, 8, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"different arguments .* ranks \[1"):
+    with pytest.raises(ValueError, match=r"different arguments: pattern on ranks \[1"):
         distributed.sparse_attention(q, q, q, sa.Local(4 + rank), group=group)
 
 
@@ -218,10 +225,73 @@ def check_part_of_a_mask(name: str, whose: str, rank: int, world: int, group) ->
     whole = (sa.documents_from_lengths([[n // 2, n // 2]] * 2, n) if name == "documents"
              else torch.arange(n).repeat(2, 1) % 7 == 0)                          # (2, n)
     part = whose == "every" or rank == 1
-    message = f"{name} covers the whole sequence" if part else r"different arguments.* ranks \[1\] differ"
+    message = f"{name} covers the whole sequence" if part else rf"different arguments: {name} on ranks \[1\] differ"
     with pytest.raises(ValueError, match=message):
         distributed.sparse_attention(q, q, q, sa.Local(4), group=group,
                                      **{name: whole[:, start:start + sizes[rank]] if part else whole})
+
+
+# --- the ranks agree on their arguments before any data moves ----------------------------------------------
+def blocks_pattern(wrapped: str, flipped: bool) -> sa.Pattern:
+    """A Blocks grid of 10 x 10 blocks of 8 tokens (80 tokens) that prints only its shape and block count, the
+    same for both grids (``flipped``: the mirror image), alone or inside |, &, ~ or PerHead."""
+    grid = np.eye(10, dtype=bool) | np.eye(10, k=1, dtype=bool)
+    blocks = sa.Blocks(grid[::-1, ::-1] if flipped else grid, 8)
+    return {"alone": blocks, "union": blocks | sa.Local(1), "complement": ~blocks & sa.Local(8),
+            "per-head": sa.PerHead([sa.Local(1), blocks])}[wrapped]
+
+
+def check_different_blocks_grids(wrapped: str, rank: int, world: int, group) -> None:
+    """The last rank's grid is the mirror image of the others' (same shape, same count, same printed form):
+    a ValueError naming the pattern on every rank."""
+    assert repr(blocks_pattern(wrapped, True)) == repr(blocks_pattern(wrapped, False))
+    q = torch.randn(1, 2, 80 // world, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"different arguments: pattern on ranks \[{world - 1}\] differ"):
+        distributed.sparse_attention(q, q, q, blocks_pattern(wrapped, rank == world - 1), group=group)
+
+
+def check_different_requires_grad(rank: int, world: int, group) -> None:
+    """Rank 1's q needs no gradient, the others' do: every rank raises before the forward (else the others'
+    backward would wait for rank 1's forever)."""
+    q = torch.randn(1, 2, 32, 8, dtype=torch.float64)
+    k = q.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"different arguments: requires_grad on ranks \[1\] differ"):
+        distributed.sparse_attention(q if rank == 1 else q.clone().requires_grad_(), k, k, sa.Local(4), group=group)
+
+
+def check_documents_of_another_dtype(rank: int, world: int, group) -> None:
+    """Rank 1 passes the same document ids as an int32 numpy array: the ranks agree, and the result is the
+    single-process one."""
+    case = Case(sa.Local(5) | sa.Global(first=1), 120, even(120, world), call={
+        "documents": sa.documents_from_lengths([[50, 70]], 120)})
+    if rank == 1:
+        case = case._replace(call={"documents": case.call["documents"].numpy().astype(np.int32)})
+    check_case(case, rank, world, group)
+
+
+INVALID_ON_RANK_1 = {        # what rank 1 alone passes: (arguments, the error it raises there, its message's start)
+    "scale": ({"scale": -1.0}, ValueError, "scale must be a finite positive float, got -1.0"),
+    "dtype": ({"q": torch.float32}, TypeError, "q, k, v must share one dtype"),
+    "heads": ({"pattern": sa.PerHead([sa.Local(1)] * 3)}, ValueError, "PerHead has 3 patterns but heads=2"),
+    "backend": ({"backend": "flash"}, ValueError, "backend must be one of"),
+    "pattern-type": ({"pattern": "Local(4)"}, TypeError, "pattern must be a sparse_attn Pattern or BlockLayout"),
+    "shard-length": ({"k_rows": 20}, ValueError, "q, k and v must be this rank's shard of one sequence"),
+    "empty-shard": ({"rows": 0}, ValueError, "q and k need batch, heads, seq_len and head_dim >= 1"),
+}
+
+
+def check_invalid_on_rank_1(what: str, rank: int, world: int, group) -> None:
+    """Rank 1's arguments fail a check the others cannot see: rank 1 raises its error, every other rank a
+    ValueError naming rank 1 and that error, within seconds (a rank left waiting would time out after
+    COLLECTIVE_SECONDS with another error)."""
+    change, error, message = INVALID_ON_RANK_1[what]
+    change = change if rank == 1 else {}
+    q = torch.randn(1, 2, change.get("rows", 16), 8, dtype=change.get("q", torch.float64))
+    k = torch.randn(1, 2, change.get("k_rows", q.shape[2]), 8, dtype=torch.float64)
+    arguments = {name: value for name, value in change.items() if name in ("scale", "backend")}
+    with pytest.raises(error if rank == 1 else ValueError,
+                       match=re.escape(message if rank == 1 else f"rank 1 of {world}: {error.__name__}: {message}")):
+        distributed.sparse_attention(q, k, k, change.get("pattern", sa.Local(4)), group=group, **arguments)
 
 
 def all_checks():
@@ -231,6 +301,12 @@ def all_checks():
     checks += [(f"part-of-{name}-on-{whose}", lambda r, w, g, name=name, whose=whose:
                 check_part_of_a_mask(name, whose, r, w, g), WORLDS)
                for name in ("key_padding_mask", "global_mask", "documents") for whose in ("every", "rank-1")]
+    checks += [(f"blocks-grids-{wrapped}", lambda r, w, g, wrapped=wrapped: check_different_blocks_grids(wrapped, r, w, g),
+                WORLDS) for wrapped in ("alone", "union", "complement", "per-head")]
+    checks += [("different-requires-grad", check_different_requires_grad, WORLDS),
+               ("documents-of-another-dtype", check_documents_of_another_dtype, WORLDS)]
+    checks += [(f"invalid-{what}-on-rank-1", lambda r, w, g, what=what: check_invalid_on_rank_1(what, r, w, g), WORLDS)
+               for what in INVALID_ON_RANK_1]
     return [(world, name, check) for world in WORLDS for name, check, worlds in checks if world in worlds]
 
 
@@ -330,6 +406,28 @@ def test_a_second_call_gives_the_same_bits(ranks, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_with_different_patterns_all_raise(ranks, world):
     assert_every_rank_passed(ranks, world, "different-patterns")
+
+
+@pytest.mark.parametrize("wrapped", ["alone", "union", "complement", "per-head"])
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_with_blocks_grids_that_print_alike_all_raise(ranks, world, wrapped):
+    assert_every_rank_passed(ranks, world, f"blocks-grids-{wrapped}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_differ_in_requires_grad_all_raise(ranks, world):
+    assert_every_rank_passed(ranks, world, "different-requires-grad")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_document_ids_of_another_integer_dtype_agree(ranks, world):
+    assert_every_rank_passed(ranks, world, "documents-of-another-dtype")
+
+
+@pytest.mark.parametrize("what", list(INVALID_ON_RANK_1))
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_invalid_call_on_one_rank_raises_on_every_rank(ranks, world, what):
+    assert_every_rank_passed(ranks, world, f"invalid-{what}-on-rank-1")
 
 
 @pytest.mark.parametrize("whose", ["every", "rank-1"])
@@ -483,3 +581,96 @@ def blocks_computed(pattern: sa.Pattern, plan: ShardPlan, heads: int) -> list[in
 def test_work_counts_the_blocks_each_rank_computes(pattern, shards, heads):
     plan = ShardPlan.build(pattern.layout(1000, heads=heads), shards, kv_heads=heads, q_batch=2, kv_batch=2)
     assert plan.work.tolist() == blocks_computed(pattern, plan, heads)
+
+
+@pytest.mark.parametrize("pattern, shards", [
+    (sa.Causal(), (10, 5, 1, 4)),                                        # two rows of one block shipped before
+    (sa.Global(first=3) | sa.Local(2), (1, 6, 19, 13)),
+    (sa.Dense(), (1, 1, 1)),
+    (sa.PerHead([sa.Stride(3), sa.Global(first=2) | sa.Local(1, 0)]), (7, 9, 2, 11, 11)),
+    (sa.Dense(), (16, 16, 16, 16))], ids=repr)                           # exactly one block
+def test_a_sequence_of_one_block_splits_over_more_ranks_than_blocks(pattern, shards):
+    """Every rank fetches exactly the keys of other shards that its rows may attend (per head); none ships."""
+    n, heads = sum(shards), 2
+    plan = ShardPlan.build(pattern.layout(n, heads=heads), shards, kv_heads=heads)
+    mask = pattern.mask(n, heads=heads).numpy()                                    # (H, n, n)
+    starts = np.cumsum([0, *shards])
+    expected = [[0 if r == p else int(mask[:, starts[r]:starts[r + 1], starts[p]:starts[p + 1]].any(1).sum())
+                 for p in range(len(shards))] for r in range(len(shards))]
+    assert plan.kv_rows.tolist() == expected and plan.lse_rows.sum() == 0
+    for r in range(len(shards)):
+        assert plan.program(r).kv_recv_counts == expected[r]
+
+
+# --- the digest the ranks compare ------------------------------------------------------------------------
+def every_pattern_kind() -> set[type]:
+    kinds, todo = set(), [sa.Pattern]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            if "kind" in cls.__dict__:
+                kinds.add(cls)
+    return kinds
+
+
+GRID = np.eye(9, dtype=bool)
+# one pattern of every kind and, for each of its fields, another value of that field
+CHANGED_FIELDS = {
+    sa.Local: (sa.Local(4, 2, block_size=2), {"before": 5, "after": 3, "block_size": 1}),
+    sa.Stride: (sa.Stride(4, 1), {"stride": 5, "offset": 2}),
+    sa.Dilated: (sa.Dilated(2, 3, 1), {"before": 1, "dilation": 2, "after": 2}),
+    sa.Global: (sa.Global((3, 9), first=1, last=2), {"tokens": (3, 8), "first": 2, "last": 1}),
+    sa.Sink: (sa.Sink((5,), first=1, period=8, width=2), {"tokens": (6,), "first": 2, "period": 9, "width": 1}),
+    sa.Causal: (sa.Causal(), {}),
+    sa.Dense: (sa.Dense(), {}),
+    sa.Random: (sa.Random(2, seed=1, block_size=16), {"blocks": 3, "seed": 2, "block_size": 32}),
+    sa.Blocks: (sa.Blocks(GRID, 8), {"blocks": GRID[::-1], "block_size": 16}),
+    sa.Union: (sa.Local(1) | sa.Blocks(GRID, 8), {"patterns": (sa.Local(1), sa.Blocks(GRID[::-1], 8))}),
+    sa.Intersection: (sa.Local(1) & sa.Blocks(GRID, 8), {"patterns": (sa.Local(1), sa.Blocks(GRID[::-1], 8))}),
+    sa.Complement: (~sa.Blocks(GRID, 8), {"pattern": sa.Blocks(GRID[::-1], 8)}),
+    sa.PerHead: (sa.PerHead([sa.Blocks(GRID, 8), sa.Dense()]), {"patterns": (sa.Blocks(GRID[::-1], 8), sa.Dense())}),
+}
+
+
+def test_every_pattern_kind_and_field_is_in_the_digest_test():
+    assert set(CHANGED_FIELDS) == every_pattern_kind(), "add the new kind to CHANGED_FIELDS"
+    for cls, (pattern, changes) in CHANGED_FIELDS.items():
+        assert set(changes) == {field.name for field in dataclasses.fields(cls)}, cls.__name__
+
+
+@pytest.mark.parametrize("cls", list(CHANGED_FIELDS), ids=lambda cls: cls.__name__)
+def test_the_digest_reads_every_field(cls):
+    pattern, changes = CHANGED_FIELDS[cls]
+    same = sa.Pattern.from_dict(pattern.to_dict())                 # an equal pattern, built again
+    assert same is not pattern and distributed.content_digest(same) == distributed.content_digest(pattern)
+    for name, value in changes.items():
+        if cls in (sa.Union, sa.Intersection):
+            changed = cls(*value)
+        elif cls is sa.PerHead:
+            changed = cls(value)
+        else:
+            fields = {field.name: getattr(pattern, field.name) for field in dataclasses.fields(cls)}
+            changed = cls(**{**fields, name: value})
+        assert distributed.content_digest(changed) != distributed.content_digest(pattern), (cls.__name__, name)
+
+
+def test_blocks_grids_that_print_alike_have_different_digests():
+    a, b = sa.Blocks(GRID, 8), sa.Blocks(GRID[::-1], 8)
+    assert repr(a) == repr(b) and a != b
+    assert distributed.content_digest(sa.Local(2) | ~a) != distributed.content_digest(sa.Local(2) | ~b)
+    assert distributed.content_digest(sa.Blocks(np.stack([GRID, GRID]), 8)) != \
+        distributed.content_digest(sa.Blocks(np.stack([GRID, GRID[::-1]]), 8))
+
+
+def test_the_digest_of_layouts_arrays_and_scalars():
+    digest = distributed.content_digest
+    left, right = (sa.Blocks(grid, 8).layout(72, heads=2, block_size=8) for grid in (GRID, GRID[::-1]))
+    assert digest(left) != digest(right)
+    assert digest(left) == digest(sa.Blocks(GRID.copy(), 8).layout(72, heads=2, block_size=8))
+    ids = np.array([[0, 0, 1, 1]])
+    assert digest(ids) == digest(torch.from_numpy(ids)) != digest(ids.astype(np.int32))
+    assert digest(ids) != digest(ids.reshape(2, 2)) and digest(ids) != digest(ids[:, :3])
+    assert len({digest(value) for value in (1, True, 1.0, "1", None, (1,), [1, 1], ((1,), 1))}) == 8
+    assert digest(torch.ones(3, dtype=torch.bfloat16)) != digest(torch.ones(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match="content_digest takes patterns.*got object"):
+        digest(object())
