@@ -20,7 +20,8 @@ it takes any spec the rules resolve and calls only its public ``check_heads`` an
 """
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -61,8 +62,13 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
     documents = _Documents.of(documents)
     if not cache:
         return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
-    return _cached_layout(pattern, n_q, n_k, heads, block_size, causal, _Mask.of(global_mask),
-                          _Mask.of(key_padding_mask), documents)
+    call_data = (_Mask.of(global_mask), _Mask.of(key_padding_mask), documents)
+    key = (pattern, n_q, n_k, heads, block_size, causal, call_data)
+    layout = LAYOUT_CACHE.get(key)
+    if layout is None:
+        layout = _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
+        LAYOUT_CACHE.put(key, layout, None if call_data == (None, None, None) else call_data)
+    return layout
 
 
 def check_call_masks(n_q: int, n_k: int, global_mask, key_padding_mask, batch: int | None = None,
@@ -146,11 +152,94 @@ class _Documents(NamedTuple):
         return document_ids(Spans(*np.frombuffer(self.spans, np.int64).reshape(len(Spans._fields), -1)), self.batch, n)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_layout(pattern, n_q, n_k, heads, block_size, causal, global_mask: _Mask | None,
-                   key_padding_mask: _Mask | None, documents: _Documents | None) -> BlockLayout:
-    return _compile(pattern, n_q, n_k, heads, block_size, causal,
-                    *(None if m is None else m.array() for m in (global_mask, key_padding_mask)), documents)
+class LayoutCache:
+    """The layouts ``build_layout`` keeps: least recently used out first, within ``budget`` bytes.
+
+    A layout counts its index tensors and call-time data, plus ``ENTRY_BYTES`` for the objects around them.
+    Layouts built with call-time data (padding or global masks, packed documents: what changes with every
+    batch) are kept for the ``recent`` latest values of that data only: every layer of a model called with
+    one batch shares one layout, and the next batches' layouts replace it, so a packed training run never
+    fills the cache with packings that will not recur. The latest layout is kept even when it alone is over
+    the budget (so a model's layers share it), with nothing else.
+
+    >>> import sparse_attn as sa
+    >>> cache = LayoutCache(budget=1 << 20)
+    >>> layout = build_layout(sa.Local(8), 256, cache=False)
+    >>> cache.put(("Local(8)", 256), layout, call_data=None)
+    >>> cache.get(("Local(8)", 256)) is layout, len(cache), cache.nbytes <= cache.budget
+    (True, 1, True)
+    """
+
+    ENTRY_BYTES = 8 << 10  # a layout's Python and tensor objects: measured at about 7.5 KB on CPython 3.11
+
+    def __init__(self, budget: int, recent: int = 2):
+        self.budget, self.recent = check_int("budget", budget, 0), check_int("recent", recent, 1)
+        self._entries: OrderedDict[tuple, tuple[BlockLayout, object, int]] = OrderedDict()  # latest last
+        self._call_data: OrderedDict[object, None] = OrderedDict()    # call-time data values, latest last
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the kept layouts count."""
+        return self._nbytes
+
+    @property
+    def layouts(self) -> list[BlockLayout]:
+        """The kept layouts, least recently used first."""
+        with self._lock:
+            return [layout for layout, _, _ in self._entries.values()]
+
+    def get(self, key) -> BlockLayout | None:
+        """The layout kept for ``key`` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            if entry[1] is not None:
+                self._call_data.move_to_end(entry[1])
+            return entry[0]
+
+    def put(self, key, layout: BlockLayout, call_data) -> None:
+        """Keep ``layout`` for ``key``; ``call_data``: the hashable call-time data it was built with, or None."""
+        with self._lock:
+            self._drop(key)
+            size = layout_bytes(layout) + self.ENTRY_BYTES
+            self._entries[key] = (layout, call_data, size)
+            self._nbytes += size
+            if call_data is not None:
+                self._call_data[call_data] = None
+                self._call_data.move_to_end(call_data)
+                while len(self._call_data) > self.recent:
+                    stale, _ = self._call_data.popitem(last=False)
+                    for old in [k for k, (_, data, _) in self._entries.items() if data == stale]:
+                        self._drop(old)
+            while len(self._entries) > 1 and self._nbytes > self.budget:
+                self._drop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._call_data.clear()
+            self._nbytes = 0
+
+    def _drop(self, key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._nbytes -= entry[2]
+
+
+def layout_bytes(layout: BlockLayout) -> int:
+    """Bytes of a layout's index tensors and call-time data on the host."""
+    tensors = sum(t.numel() * t.element_size() for t in layout.index)
+    return tensors + sum(a.nbytes for a in layout.call_data or () if a is not None)
+
+
+LAYOUT_CACHE = LayoutCache(budget=256 << 20)  # what build_layout keeps; set LAYOUT_CACHE.budget to change it
 
 
 def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask,

@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
@@ -209,6 +209,37 @@ def test_layouts_with_masks_are_cached_by_mask_values():
     assert torch.equal(changed.to_dense()[0, 0, :, 99], torch.zeros(100, dtype=torch.bool))
 
 
+def test_the_layout_cache_is_bounded_by_bytes_least_recently_used_out_first():
+    layouts = {n: compiler.build_layout(sa.Local(8), n, cache=False) for n in (256, 512, 1024, 4096)}
+    size = {n: compiler.layout_bytes(layout) + compiler.LayoutCache.ENTRY_BYTES for n, layout in layouts.items()}
+    cache = compiler.LayoutCache(budget=size[256] + size[512] + size[1024])
+    for n in (256, 512, 1024):
+        cache.put(n, layouts[n], call_data=None)
+    assert cache.get(256) is layouts[256] and len(cache) == 3 and cache.nbytes == cache.budget
+    cache.put(4096, layouts[4096], call_data=None)                 # 512, the least recently used, goes first
+    assert cache.get(512) is None and cache.get(256) is layouts[256] and cache.get(4096) is layouts[4096]
+    assert cache.nbytes <= cache.budget and cache.nbytes == sum(size[n] for n in (256, 1024, 4096) if cache.get(n))
+    cache.budget = size[4096] - 1                                  # the latest alone is over the budget: kept alone
+    cache.put(4096, layouts[4096], call_data=None)
+    assert len(cache) == 1 and cache.get(4096) is layouts[4096] and cache.nbytes == size[4096]
+
+
+def test_packed_training_keeps_only_the_latest_packings_and_every_layer_shares_one():
+    """Issue 23, item 7: every step's packing added a layout to a 64-entry cache that was never hit again."""
+    rng = np.random.default_rng(0)
+    pattern = sa.Local(4) | sa.Random(1, seed=3, block_size=8)
+    static = pattern.layout(256, heads=2, block_size=16)
+    for _ in range(70):                                            # 70 training steps, each with a new packing
+        ids = sa.documents_from_lengths([np.diff(np.sort(np.append(rng.choice(255, 6, replace=False) + 1, [0, 256])))
+                                         .tolist()])
+        first = pattern.layout(256, heads=2, block_size=16, documents=ids)
+        assert pattern.layout(256, heads=2, block_size=16, documents=ids.clone()) is first   # the next layer's
+    assert pattern.layout(256, heads=2, block_size=16) is static, "per-call layouts pushed out a static one"
+    cache = compiler.LAYOUT_CACHE
+    packed = [layout for layout in cache.layouts if layout.call_data.documents is not None]
+    assert len(packed) == cache.recent and packed[-1] is first and cache.nbytes <= cache.budget
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # tiny N: eager is the point
 def test_to_block_mask_matches_layout():
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
@@ -219,6 +250,29 @@ def test_to_block_mask_matches_layout():
     ours = sa.sparse_attention(q, k, v, layout, backend="reference")
     theirs = flex.flex_attention(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+# every kind but Global(last=...) and Blocks (defined from the sequence's end, and by a grid of its size)
+length_free_leaves = st.one_of(
+    leaves.filter(lambda leaf: leaf.kind != "global"),
+    st.builds(sa.Global, st.lists(st.integers(0, 60), max_size=4), st.integers(0, 5)),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=pattern_trees(length_free_leaves), n=st.integers(1, 90), m=st.integers(1, 90),
+       block_size=st.sampled_from([4, 16]))
+@example(pattern=sa.Random(2, block_size=4) | sa.Local(1), n=40, m=20, block_size=4)
+def test_a_position_sees_the_same_keys_in_every_length(pattern, n, m, block_size):
+    """Issue 23, item 6: Random drew by the length. No kind but Global(last=...) and Blocks depends on it, so the
+    first m positions of a longer sequence see, among themselves, what a sequence of m tokens sees, and a decode
+    step (one query over the keys up to it) sees with Causal what the row of the full sequence sees."""
+    m = min(m, n)
+    full = pattern.mask(n, heads=2)
+    assert torch.equal(full[:, :m, :m], pattern.mask(m, heads=2))
+    causal = pattern & sa.Causal()
+    step = causal.layout(1, m, heads=2, block_size=block_size).to_dense()[0, :, 0]                # (H, m)
+    assert torch.equal(step, causal.mask(n, heads=2)[:, m - 1, :m])
 
 
 def test_layout_validation():
