@@ -69,11 +69,11 @@ def _check_bench_dir(out: Path, overwrite: bool) -> None:
                          f"memory.png)")
     if (out / "results.json").exists() and not overwrite:
         raise UsageError(f"--out {out} already holds results.json; pass --overwrite to replace it, another --out, "
-                         f"or no --out (a fresh {BENCH_OUT}-N folder)")
+                         f"or no --out (a fresh {_BENCH_OUT}-N folder)")
     _writable_dir(out, f"--out {out}")
 
 
-def fresh_bench_dir(base: Path) -> Path:
+def _fresh_bench_dir(base: Path) -> Path:
     """``base`` if it holds no results yet, else the first ``base-2``, ``base-3``, ... that holds none: where
     ``bench`` without ``--out`` writes, so that re-running it keeps the earlier runs."""
     candidate, number = base, 1
@@ -115,7 +115,7 @@ def cmd_patterns(args) -> None:
     print(f"{'preset':<{width}}  {'@4K':>7}  {'@16K':>7}  description")
     for name, description, _, d4, d16 in rows:
         print(f"{name:<{width}}  {d4:>7.2%}  {d16:>7.2%}  {description}")
-    print("\ntoken density = allowed token pairs / N^2; show one with: sparse-attn show NAME --seq-len 4096")
+    print("\ntoken density = allowed token pairs / N^2; show one with: sparse-attn show NAME [--seq-len N]")
 
 
 def read_pattern(text: str) -> tuple[Pattern, int | None]:
@@ -162,7 +162,7 @@ def cmd_show(args) -> None:
     print(f"  forward FLOPs (head_dim {args.head_dim}) {layout.flops(args.head_dim):.3g} = "
           f"{layout.flops(args.head_dim) / dense_flops:.2%} of dense ({dense_flops:.3g})")
     if args.out:
-        viz.plot_layout(layout, heads=heads, zoom=args.zoom).savefig(args.out, dpi=110)
+        viz.save(viz.plot_layout(layout, heads=heads, zoom=args.zoom), args.out, dpi=110)
         print(f"wrote {args.out}")
 
 
@@ -207,7 +207,7 @@ def cmd_bench(args) -> None:
     from . import bench
 
     if args.out is None:
-        args.out = Path(BENCH_OUT) if args.overwrite else fresh_bench_dir(Path(BENCH_OUT))
+        args.out = Path(_BENCH_OUT) if args.overwrite else _fresh_bench_dir(Path(_BENCH_OUT))
     settings = bench.settings(args.quick, patterns=args.patterns, lengths=args.lengths,
                               implementations=args.backends, repeats=args.repeats, timeout=args.timeout)
     patterns = bench_patterns(settings.patterns, args.num_heads)
@@ -276,7 +276,7 @@ def _bounded(maximum: float):
 _FIGURE_HEADS = 16        # show --out: one column per head
 _ASCII_SIDE = 64          # show: cells a side of the text grid (print(layout) draws it unbinned up to 64 blocks)
 _SHOW_LENGTH = 4096       # show's default --seq-len: 64 blocks of 64, every block a cell of the text grid
-BENCH_OUT = "bench-results"
+_BENCH_OUT = "bench-results"
 _BROKEN_PIPE = 141        # exit status when the reader of stdout left: 128 + SIGPIPE, as a shell tool's
 _TIMEOUT_MAX = 1e6        # seconds (11 days): subprocess waits overflow past about 2e6 s
 _MEMORY_LIMIT_MAX = 1e6   # GB: RLIMIT_AS is a 64-bit byte count
@@ -293,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         run=cmd_patterns)
 
     show = sub.add_parser("show", help="density, blocks, FLOPs and an ASCII grid of a pattern; a figure with --out",
-                          description="PATTERN: a preset name, a .toml file, or an expression such as "
-                                      "\"Local(64) | Global(first=2)\". Sizes accept 4096, 4k (x 1024), 1M "
-                                      "(x 1024**2).")
+                          description="PATTERN: a benchmark label, a preset name, a .toml file, or an "
+                                      "expression such as \"Local(64) | Global(first=2)\". Sizes accept 4096, 4k "
+                                      "(x 1024), 1M (x 1024**2).")
     show.add_argument("pattern", metavar="PATTERN", help=f"a benchmark label ({', '.join(PATTERNS)}), a preset "
                       f"({', '.join(presets.list_presets())}), a .toml file or an expression")
     show.add_argument("--seq-len", type=_count, default=_SHOW_LENGTH, metavar="N", help="sequence length, e.g. "
@@ -320,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{', '.join(map(_short, QUICK.lengths))}, {', '.join(QUICK.implementations)}, forward, "
                        f"{QUICK.repeats} timed calls per point: a few minutes (default: off)")
     bench.add_argument("--out", type=Path, metavar="DIR", help=f"output directory; an existing results.json is "
-                       f"kept unless --overwrite (default: {BENCH_OUT}, or {BENCH_OUT}-2, -3, ... when it holds "
+                       f"kept unless --overwrite (default: {_BENCH_OUT}, or {_BENCH_OUT}-2, -3, ... when it holds "
                        f"results: every run gets a fresh folder)")
     bench.add_argument("--overwrite", action="store_true", help=f"replace the results already in --out, or in "
-                       f"{BENCH_OUT} without --out (default: refuse)")
+                       f"{_BENCH_OUT} without --out (default: refuse)")
     labels = [f"{label} (= {expression})" for label, expression in PATTERNS.items() if label != expression]
     bench.add_argument("--patterns", nargs="+", metavar="PATTERN", help=f"{', '.join(labels)}, a preset "
                        f"({', '.join(presets.list_presets())}), a .toml file or an expression "

@@ -169,6 +169,19 @@ def ascii_grid(layout: BlockLayout, head: int = 0, batch: int = 0, max_side: int
                       f"'.' none):", *rows])
 
 
+def save(figure, path, **options) -> None:
+    """``figure.savefig(path, **options)``, then the figure closed: pyplot holds every figure it made until then.
+
+    >>> import sparse_attn as sa
+    >>> save(plot_layout(sa.Local(8).layout(256)), "local.png", dpi=110)               # doctest: +SKIP
+    """
+    plt = _pyplot()
+    try:
+        figure.savefig(path, **options)
+    finally:
+        plt.close(figure)
+
+
 def _wrap(text: str, inches: float, fontsize: float) -> str:
     """``text`` wrapped to fit ``inches`` at ``fontsize`` points (about 0.6 em per character)."""
     return textwrap.fill(text, width=max(20, int(inches * 72 / (0.6 * fontsize))), break_on_hyphens=False)

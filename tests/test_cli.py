@@ -161,6 +161,17 @@ def test_show_and_bench_read_pattern_text_alike(capsys, monkeypatch, tmp_path):
     assert cli.read_pattern("longformer") == (parse_pattern(bench.PATTERNS["longformer"])[0], None)
 
 
+def test_show_and_bench_close_the_figures_they_write(capsys, monkeypatch, tmp_path):
+    """cli.main in a process (a notebook, these tests) left every figure open in pyplot."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    monkeypatch.setattr(harness, "run_point", fake_point)
+    before = plt.get_fignums()
+    assert call(capsys, "show", "Local(4)", "--seq-len", "256", "--out", str(tmp_path / "fig.png"))[0] == 0
+    assert call(capsys, "bench", "--lengths", "256", "--backends", "sdpa-dense", "--patterns", "longformer",
+                "--no-progress", "--out", str(tmp_path / "bench"))[0] == 0
+    assert plt.get_fignums() == before
+
+
 def test_show_zoom_is_bounded_before_any_work(capsys, tmp_path):
     code, _, err = call(capsys, "show", "Local(4)", "--seq-len", "64k", "--zoom", "16k", "--out",
                         str(tmp_path / "fig.png"))

@@ -34,7 +34,7 @@ def write(results: dict, out: Path) -> list[Path]:
     from .. import viz
 
     def draw(metric):
-        return lambda record, path: viz.plot_bench(record, metric).savefig(path, dpi=110, bbox_inches="tight")
+        return lambda record, path: viz.save(viz.plot_bench(record, metric), path, dpi=110, bbox_inches="tight")
 
     figures = {f"{metric}.png": draw(metric) for metric in ("time", "memory")}
     write_results(out, "results", results, markdown, figures)
