@@ -8,6 +8,7 @@ torch, transformers and the backends are imported inside the functions that use 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 from ..pattern import Pattern
@@ -41,6 +42,7 @@ def availability(name: str, pattern: Pattern, device: str, backward: bool = Fals
     return True, ""
 
 
+@functools.cache  # the same for every pattern: asked once per (device, backward), not once per pattern
 def _flex_availability(device: str, backward: bool) -> tuple[bool, str]:
     import torch
 
