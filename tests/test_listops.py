@@ -174,3 +174,19 @@ def test_a_run_writes_its_files_and_resumes(monkeypatch, tmp_path):
     assert second["rows"][0] == first["rows"][0]                  # kept, not run again
     with pytest.raises(SystemExit, match="another set-up"):
         run_main(monkeypatch, tmp_path, "--resume", "--steps", "2")
+
+
+def test_the_doc_page_lists_the_script_s_patterns():
+    page = (ROOT / "docs" / "listops.md").read_text()
+    source = page[page.index("patterns = {"):page.index("\n}\n", page.index("patterns = {")) + 2]
+    namespace = {"sa": listops.sa}
+    exec(source, namespace)
+    assert namespace["patterns"] == {name: pattern for name, (pattern, _, _) in listops.PATTERNS.items()}
+
+
+def test_committed_table_is_rendered_from_the_committed_json():
+    path = ROOT / "benchmarks" / "results" / "listops.json"
+    if not path.exists():
+        pytest.skip("no committed run yet: benchmarks/results/listops.json")
+    record = json.loads(path.read_text())
+    assert listops.markdown(record) == path.with_suffix(".md").read_text()
