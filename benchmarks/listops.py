@@ -1,13 +1,14 @@
 """ListOps from the Long Range Arena (Tay et al., ICLR 2021, Table 1), trained with this library's patterns.
 
-    python benchmarks/listops.py [--recipe cpu|lra] [--quick] [--patterns NAME ...] [--seeds 0 1 2]
-                                 [--device auto|cpu|cuda] [--resume | --overwrite] [--out benchmarks/results]
+    python benchmarks/listops.py [--recipe cpu|lra | --quick] [--patterns NAME ...] [--seeds 0 1 2]
+                                 [--steps N] [--train N] [--device auto|cpu|cuda] [--resume | --overwrite]
+                                 [--out benchmarks/results]
 
 **Data**, generated here from the task's definition (no download): an expression of the operators MIN,
 MAX, MED (the median, rounded down) and SM (the sum modulo 10) over the digits 0-9, written in prefix form
 with a closing bracket, e.g. ``[MAX 2 9 [MIN 4 7 ] 0 ]`` (value 9). As LRA's generator: a node below depth
 10 is an operator with probability 0.25 (LRA's ``VALUE_P = 0.25``: its code makes a node a value when a
-uniform draw exceeds 0.25; read the other way, trees of 500+ tokens never stay below 2,000), else a digit;
+uniform draw exceeds 0.25; read the other way, nearly every tree outgrows 2,000 tokens), else a digit;
 an operator has 2-10 arguments; an expression is kept when 500 < tokens < 2000; the label is its value (10
 classes). Splits of 96,000 / 2,000 / 2,000 examples in LRA; every split comes from its own seeded streams
 of 1,000 examples each, so a smaller split is a prefix of a larger one (a reduced recipe trains on the
@@ -27,7 +28,7 @@ the kernels compute), training and evaluation wall time, and peak memory beyond 
 training (the resident set on CPU, ``max_memory_allocated`` on CUDA).
 
 Every (pattern, seed) is written to ``listops.json``, ``listops.md`` and ``listops.png`` in ``--out`` as it
-finishes; ``--resume`` keeps the rows already there (for the same recipe) and runs the rest.
+finishes; ``--resume`` keeps the rows already there (for the same recipe, device and machine) and runs the rest.
 """
 from __future__ import annotations
 
