@@ -141,15 +141,22 @@ def _call_data(mask):
 def _agree(call: _Call | None, failure: Exception | None, group, q) -> list[list[int]]:
     """One all_gather, once every rank has checked its call: each rank's shard length, its error message's
     length (0: its checks passed) and its digests, (W, 2 + len(AGREED)) in rank order. If a rank failed,
-    every rank raises here (a failed rank its own error, the others a ValueError naming it and its error)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    every rank raises (see ``_raise_failures``)."""
     message = b"" if failure is None else _describe(failure)
     row = [0, len(message), *[0] * len(AGREED)] if call is None else [call.n_rank, 0, *call.digests]
     device = _collective_device(group, q)
     table = _gather(torch.tensor(row, dtype=torch.int64, device=device), group).tolist()
+    if any(row[1] for row in table):
+        _raise_failures(table, message, failure, group, device)
+    return table
+
+
+def _raise_failures(table: list[list[int]], message: bytes, failure: Exception | None, group, device) -> None:
+    """Some rank's checks failed: one more all_gather shares the messages (every rank knows that it comes from
+    the table), then a failed rank raises its own error, every other rank a ValueError naming the failed
+    ranks and their errors."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     failed = [r for r in range(world) if table[r][1]]
-    if not failed:
-        return table
     text = torch.zeros(max(table[r][1] for r in failed), dtype=torch.uint8)
     text[:len(message)] = torch.tensor(list(message), dtype=torch.uint8)
     texts = _gather(text.to(device), group)                                              # (W, longest) bytes

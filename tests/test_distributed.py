@@ -301,8 +301,9 @@ def all_checks():
     checks += [(f"part-of-{name}-on-{whose}", lambda r, w, g, name=name, whose=whose:
                 check_part_of_a_mask(name, whose, r, w, g), WORLDS)
                for name in ("key_padding_mask", "global_mask", "documents") for whose in ("every", "rank-1")]
-    checks += [(f"blocks-grids-{wrapped}", lambda r, w, g, wrapped=wrapped: check_different_blocks_grids(wrapped, r, w, g),
-                WORLDS) for wrapped in ("alone", "union", "complement", "per-head")]
+    checks += [(f"blocks-grids-{wrapped}", lambda r, w, g, wrapped=wrapped:
+                check_different_blocks_grids(wrapped, r, w, g), WORLDS)
+               for wrapped in ("alone", "union", "complement", "per-head")]
     checks += [("different-requires-grad", check_different_requires_grad, WORLDS),
                ("documents-of-another-dtype", check_documents_of_another_dtype, WORLDS)]
     checks += [(f"invalid-{what}-on-rank-1", lambda r, w, g, what=what: check_invalid_on_rank_1(what, r, w, g), WORLDS)
