@@ -32,7 +32,7 @@ WORLD = 2
 SHARDS = (600, 400)                        # tokens per rank, in rank order (unequal is fine)
 EMBED, HEADS, KV_HEADS = 64, 4, 2
 PATTERN = sa.Local(64) | sa.Global(first=4)
-TOLERANCE = 1e-10                          # float64
+TOLERANCE = 1e-8                           # float64: any wrong pair is off by far more
 
 
 def make_layer_and_data():
