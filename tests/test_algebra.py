@@ -65,13 +65,15 @@ def test_a_pattern_and_its_complement_are_disjoint_and_cover_everything(data, si
 
 def test_random_draws_among_the_tiles_a_complement_leaves_untouched():
     """In ``Random(k) | ~p`` the complement touches every tile that p does not cover completely, so the
-    random tiles come from the tiles p covers: here one of the 3 window tiles of each tile row."""
+    random tiles come from the tiles p covers: here tile R - 1, the window's one tile before row R (none in
+    row 0: random tiles lie before their row)."""
     window = sa.Local(1, block_size=4)
     mask = (sa.Random(1, seed=2, block_size=4) | ~window).mask(64, heads=3)
     assert torch.equal(mask & ~window.mask(64), (~window).mask(64).expand(3, -1, -1))
     inside = (mask & window.mask(64)).reshape(3, 16, 4, 16, 4)          # (H, tile row, 4, tile col, 4)
     assert torch.equal(inside.all(dim=(2, 4)), inside.any(dim=(2, 4))), "whole tiles"
-    assert (inside.any(dim=(2, 4)).sum(-1) == 1).all(), "one random tile per tile row, inside the window"
+    drawn = inside.any(dim=(2, 4))                                                  # (H, tile row, tile col)
+    assert torch.equal(drawn, torch.ones(15).diag(-1).bool().expand(3, 16, 16)), "tile R - 1"
     assert (sa.Random(2, block_size=4) | ~sa.Random(2, block_size=4)).mask(32).all()
 
 
