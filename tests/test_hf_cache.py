@@ -96,7 +96,7 @@ def test_per_layer_errors():
 
 from transformers import DynamicCache  # noqa: E402
 
-from sparse_attn.integrations.transformers import SparseCache  # noqa: E402
+from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache  # noqa: E402
 
 STREAMING = sa.Local(5, 0) | sa.Sink(first=2)                       # 2 sinks and a window of 6: eviction early
 
@@ -108,7 +108,7 @@ def _llama(implementation):
 
 
 def _generate(model, ids, mask, cache, tokens=40):
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=tokens,
+    out = model.generate(ids, attention_mask=mask, **{CACHE_KEYWORD: cache}, max_new_tokens=tokens,
                          min_new_tokens=tokens, do_sample=False, output_scores=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.scores, 1)                  # (B, N + tokens), (B, tokens, V)
 
@@ -123,7 +123,7 @@ def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
     torch.testing.assert_close(tokens, full_tokens, rtol=0, atol=0)
     torch.testing.assert_close(scores, full_scores, atol=1e-5, rtol=1e-5)
     assert len(set(tokens[0, 12:].tolist())) > 3                            # not one token repeated
-    held = 2 + 6                                                           # sinks + window (the next query's)
+    held = 3 * 2 + 6                   # each row's 2 sinks (rows start at 0, 7 and 3) + window (the next query's)
     assert all(layer.nbytes == 3 * 2 * held * 8 * 2 * 4 for layer in cache.layers)  # B, Hkv, held, D, k and v, fp32
     assert cache.get_seq_length() == 12 + 40 - 1
 
@@ -175,5 +175,31 @@ def test_sparse_cache_errors():
         _generate(model, ids, mask, cache)
     del model.config.sparse_attn_pattern
     with pytest.raises(ValueError, match="SparseCache does not support beam search"):
-        model.generate(ids, attention_mask=mask, past_key_values=SparseCache(model), max_new_tokens=12, num_beams=2,
+        model.generate(ids, attention_mask=mask, **{CACHE_KEYWORD: SparseCache(model)}, max_new_tokens=12, num_beams=2,
                        do_sample=False)
+
+
+def test_a_cache_call_that_raises_changes_nothing():
+    """Keys that cannot continue the cache, and the methods SparseCache refuses (issue 23, item 1): the first
+    update used to initialise the layer before its keys were checked, and crop() died with an AttributeError."""
+    cache = SparseCache(_llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND)))
+    layer = cache.layers[0]
+    with pytest.raises(ValueError, match=r"k must have shape \(batch, kv_heads, n_new, head_dim\) .* got \(1, 2, 8\)"):
+        cache.update(torch.randn(1, 2, 8), torch.randn(1, 2, 8), 0)
+    assert not layer.is_initialized and layer.kv is None and cache.get_seq_length() == 0
+    x = torch.randn(1, 2, 9, 8)
+    cache.update(x, x, 0)
+
+    def state():
+        return cache.get_seq_length(), layer.kv.positions.tolist(), layer.nbytes
+
+    before = state()
+    refused = [(lambda: cache.update(x[..., :4], x[..., :4], 0), "does not continue this cache"),
+               (lambda: cache.crop(2), "SparseCache cannot crop"),
+               (lambda: cache.batch_select_indices(torch.tensor([0])), "SparseCache does not support beam search"),
+               (lambda: cache.batch_repeat_interleave(2), "SparseCache does not support beam search"),
+               (lambda: cache.reorder_cache(torch.tensor([0])), "SparseCache does not support beam search")]
+    for call, message in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert state() == before

@@ -19,7 +19,8 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceC
                           BartConfig, BertConfig, BigBirdConfig, DataCollatorWithFlattening, Gemma2Config,
                           LlamaConfig, LongformerConfig, MistralConfig, RobertaConfig, T5Config, T5EncoderModel)
 
-from sparse_attn.integrations.transformers import register, to_long_model  # noqa: E402
+from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache, register, to_long_model  # noqa: E402
+from tests.test_docs import ROOT, python_blocks  # noqa: E402
 
 BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 DENSE = register(sa.Dense(), name="sparse_attn_test_dense", backend=BACKEND)
@@ -153,10 +154,10 @@ def test_decoding_with_kv_cache_matches_full_forward(left_padding):
     full = model(input_ids=ids, attention_mask=mask).logits                     # (B, N, V)
     prefill = 10
     out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
-    cache, steps = out.past_key_values, [out.logits]
+    cache, steps = getattr(out, CACHE_KEYWORD), [out.logits]
     for t in range(prefill, ids.shape[1]):
-        out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], use_cache=True, **{CACHE_KEYWORD: cache})
+        cache = getattr(out, CACHE_KEYWORD)
         steps.append(out.logits)
     keep = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[keep], full[keep], atol=1e-5, rtol=1e-5)
@@ -192,8 +193,9 @@ def test_sliding_window_cache_is_refused():
                            sliding_window=6)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=LOCAL).eval()
     ids, _ = _batch(n=12)
-    with pytest.raises(ValueError, match="the model's cache dropped the first .* build the model with "
-                                         "config.sliding_window=None"):
+    with pytest.raises(ValueError, match=f"the model's cache dropped the first .* build the model with "
+                                         f"config.sliding_window=None .* generate with {CACHE_KEYWORD}="
+                                         f"SparseCache\\(model\\)"):
         model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
 
 
@@ -201,10 +203,10 @@ def test_cached_call_needs_a_mask_over_cached_and_new_tokens():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
     ids, mask = _batch(n=12)
-    cache = model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True).past_key_values
+    cache = getattr(model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True), CACHE_KEYWORD)
     with pytest.raises(ValueError, match=r"attention_mask covers 2 tokens but the model sees 12 \(10 cached and 2 "
                                          r"new\); pass an attention_mask over all of them"):
-        model(input_ids=ids[:, 10:], attention_mask=mask[:, 10:], past_key_values=cache)
+        model(input_ids=ids[:, 10:], attention_mask=mask[:, 10:], **{CACHE_KEYWORD: cache})
 
 
 def test_4d_padding_mask_is_accepted_and_a_structured_one_refused():
@@ -280,14 +282,81 @@ def test_to_long_model_tiles_positions_and_runs():
 
 
 def test_save_and_reload_keep_the_pattern_and_positions(tmp_path):
+    """from_pretrained(path) restores attn_implementation="sparse_attn" from the saved pattern (it loaded sdpa)."""
     torch.manual_seed(0)
     model = to_long_model(AutoModel.from_config(_config("bert", max_position_embeddings=64)), 256,
                           sa.Local(8) | sa.Global(first=1)).eval()
     model.save_pretrained(tmp_path)
-    reloaded = AutoModel.from_pretrained(tmp_path, attn_implementation="sparse_attn").eval()
+    reloaded = AutoModel.from_pretrained(tmp_path).eval()
+    assert reloaded.config._attn_implementation == "sparse_attn"
     assert sa.Pattern.from_dict(reloaded.config.sparse_attn_pattern) == sa.Local(8) | sa.Global(first=1)
     ids = torch.randint(3, VOCAB, (2, 256))
     torch.testing.assert_close(reloaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    assert AutoModel.from_pretrained(tmp_path, attn_implementation="sdpa").config._attn_implementation == "sdpa"
+
+
+def test_register_without_a_pattern_warns_naming_the_default_it_runs():
+    name = register(name="sparse_attn_test_no_pattern", backend=BACKEND)
+    with pytest.warns(UserWarning, match=r"attn_implementation='sparse_attn_test_no_pattern' runs this llama model "
+                                         r"with sparse_attn's default pattern Local\(256\) \| Global\(first=1\) .* "
+                                         r"register\(pattern, name='sparse_attn_test_no_pattern'\) or "
+                                         r"model.config.sparse_attn_pattern = pattern.to_dict\(\)"):
+        AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=name)
+    with_pattern = _config("llama")
+    with_pattern.sparse_attn_pattern = sa.Local(4).to_dict()
+    sliding = MistralConfig(**{k: v for k, v in _config("llama").to_dict().items() if k in _config("llama").__dict__},
+                            sliding_window=6)                                 # its own windows: Local(5, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for config, implementation in [(with_pattern, name), (sliding, name), (_config("llama"), LOCAL)]:
+            AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+    assert not [w for w in caught if "default pattern" in str(w.message)]
+
+
+def test_an_unregistered_sparse_attn_name_points_at_register():
+    """Forgetting register() or mistyping the name gave transformers' generic 'is not supported'."""
+    with pytest.raises(ValueError, match=r"attn_implementation='sparse_atn' is not registered \(registered in this "
+                                         r"process: .*\)\. .*transformers.register\(\), called once per process "
+                                         r"before the model is built or loaded: .*, or did you mean 'sparse_attn'\?"):
+        AutoModel.from_config(_config("bert"), attn_implementation="sparse_atn")
+    with pytest.raises(ValueError, match="did you mean 'sparse_attn_test_local'"):
+        AutoModel.from_config(_config("bert"), attn_implementation="sparse_attn_test_locl")
+    with pytest.raises(ValueError, match='Specified `attn_implementation="eagre"` is not supported'):
+        AutoModel.from_config(_config("bert"), attn_implementation="eagre")            # transformers' own error
+
+
+def test_a_fresh_process_that_imports_the_integration_but_never_registers(tmp_path):
+    """register() forgotten: the error points at it; a saved sparse model still loads as one."""
+    model = to_long_model(AutoModel.from_config(_config("bert", max_position_embeddings=64)), 128, sa.Local(4))
+    model.save_pretrained(tmp_path)
+    code = f"""
+import sparse_attn.integrations.transformers
+from transformers import AutoModel, BertConfig
+try:
+    AutoModel.from_config(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64), attn_implementation="sparse_attn")
+except ValueError as error:
+    print(error)
+print(AutoModel.from_pretrained({str(tmp_path)!r}).config._attn_implementation)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=sa.__path__[0] + "/..")
+    message, implementation = result.stdout.strip().splitlines()
+    assert message.startswith("attn_implementation='sparse_attn' is not registered. sparse_attn's attention runs "
+                              "under a name given to sparse_attn.integrations.transformers.register()")
+    assert implementation == "sparse_attn"
+
+
+def test_docs_and_errors_teach_the_current_cache_keyword():
+    """transformers 5.x renamed generate(past_key_values=...) to cache= and warns that the old name goes away:
+    CACHE_KEYWORD is the installed transformers' name (no warning), and the docs teach the current one."""
+    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)                  # transformers' deprecation warning
+        model.generate(torch.randint(3, VOCAB, (1, 4)), max_new_tokens=2, pad_token_id=0,
+                       **{CACHE_KEYWORD: SparseCache(model)})
+    for path in (ROOT / "docs" / "integrations.md", ROOT / "docs" / "decoding.md"):
+        assert not [str(block) for block in python_blocks(path) if "past_key_values=" in block.source]
 
 
 def test_errors():
@@ -399,20 +468,20 @@ def test_packed_batches_with_a_kv_cache_are_refused_at_the_cached_step():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
     documents = _documents((6, 4))
-    cache = model(**_packed(documents), use_cache=True).past_key_values   # the packed forward itself runs
+    cache = getattr(model(**_packed(documents), use_cache=True), CACHE_KEYWORD)  # the packed forward runs
     with pytest.raises(ValueError, match=r"LlamaAttention's KV cache was filled by a packed batch, .* \(10 cached "
                                          r"keys, 1 new queries\); .* pass use_cache=False"):
-        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[4]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[5]]), position_ids=torch.tensor([[4]]), **{CACHE_KEYWORD: cache})
     prompt = torch.cat(documents)[None, :7]
-    cache = model(input_ids=prompt, use_cache=True).past_key_values      # a new prefill: one sequence
+    cache = getattr(model(input_ids=prompt, use_cache=True), CACHE_KEYWORD)  # a new prefill: one sequence
     with pytest.raises(ValueError, match=r"position_ids restart within a cached step \(7 cached keys, 3 new"):
-        model(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[7, 0, 1]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[7, 0, 1]]), **{CACHE_KEYWORD: cache})
     flash = _packed(documents, return_flash_attn_kwargs=True)
-    cache = model(input_ids=flash["input_ids"][:, :4], use_cache=True).past_key_values
+    cache = getattr(model(input_ids=flash["input_ids"][:, :4], use_cache=True), CACHE_KEYWORD)
     with pytest.raises(ValueError, match=r"cu_seq_lens_q/k \(packed sequences\) with 4 cached keys"):
-        model(**flash, past_key_values=cache)
-    cache = model(input_ids=prompt, use_cache=True).past_key_values
-    step = model(input_ids=torch.tensor([[5]]), past_key_values=cache).logits   # not packed: decodes
+        model(**flash, **{CACHE_KEYWORD: cache})
+    cache = getattr(model(input_ids=prompt, use_cache=True), CACHE_KEYWORD)
+    step = model(input_ids=torch.tensor([[5]]), **{CACHE_KEYWORD: cache}).logits   # not packed: decodes
     torch.testing.assert_close(step[0, -1], model(input_ids=torch.cat([prompt, torch.tensor([[5]])], 1)).logits[0, -1],
                                atol=1e-5, rtol=1e-5)
 

@@ -13,10 +13,18 @@
 
 Which pattern a model uses: ``model.config.sparse_attn_pattern`` (a ``Pattern.to_dict()`` dict, saved
 with the config by ``save_pretrained``) when set, else the pattern given to ``register`` for the
-model's ``attn_implementation`` name (default ``Local(256) | Global(first=1)``, Longformer's
-``attention_window=512`` with a global first token). Register several names to bind several
-patterns. Only the padding mask, causality and packed documents come from the model: the model's own
-mask function (sliding windows, prefix-LM) is replaced by the pattern.
+model's ``attn_implementation`` name, else the model's own sliding windows where its config has them
+(:func:`own_patterns`), else ``DEFAULT_PATTERN`` = ``Local(256) | Global(first=1)`` (Longformer's
+``attention_window=512`` with a global first token), with a warning when the model is built. Register
+several names to bind several patterns. Only the padding mask, causality and packed documents come from
+the model: the model's own mask function (sliding windows, prefix-LM) is replaced by the pattern. In a
+left-padded batch the pattern's positions count from each row's first token (as the model's
+``position_ids`` do), so a row computes what its prompt alone computes.
+
+Importing this module wraps transformers' check of a model's ``attn_implementation`` (see
+``_check_models_when_built``): a model loaded with ``from_pretrained(path)`` whose saved config holds
+``sparse_attn_pattern`` runs ``"sparse_attn"`` again, and a sparse_attn-like name that was never given
+to :func:`register` raises an error saying so.
 
 Packed batches (``DataCollatorWithFlattening``: one row whose ``position_ids`` restart at each
 document, and with ``return_flash_attn_kwargs=True`` its ``cu_seq_lens_q/k``) run every document as a
@@ -25,7 +33,8 @@ applies per document, ``Global(first=1)`` is each document's first token, nothin
 Decoders (Llama, ...) and encoders (BERT, RoBERTa, ...) hand the attention the ``position_ids`` they
 are called with. Packed batches with a KV cache are refused at the cached step.
 
-Generation in bounded memory: ``model.generate(..., past_key_values=SparseCache(model))`` keeps, in each
+Generation in bounded memory: ``model.generate(..., cache=SparseCache(model))`` (``past_key_values=`` before
+transformers 5.x renamed it: ``CACHE_KEYWORD`` is the installed one's) keeps, in each
 layer, only the keys that layer's pattern can still reach (:class:`SparseCache`); the attention function
 finds the absolute positions of the keys it receives through :class:`SparseCacheLayer` (see ``_held_keys``).
 
@@ -37,6 +46,7 @@ sinks) is refused at the first forward.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import re
@@ -48,19 +58,23 @@ from typing import NamedTuple
 import torch
 from einops import rearrange
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import backends
-from ..api import sparse_attention
 from ..blocks import ceil_div
 from ..checks import check_int
 from ..documents import documents_from_cu_seqlens
-from ..kv_cache import SparseKVCache
+from ..kv_cache import SparseKVCache, left_padded_attention
 from ..pattern import Causal, Dense, Global, Local, Pattern, check_pattern
 
 DEFAULT_PATTERN = Local(256) | Global(first=1)
+# The keyword generate() and a model's forward take a KV cache under: `cache` since transformers renamed it in 5.x
+# (`past_key_values` still works there, deprecated), `past_key_values` before.
+CACHE_KEYWORD = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
+    else "past_key_values"
 # name -> (the pattern given to register: one, one per layer, or None for the model's own; backend)
 _REGISTERED: dict[str, tuple[Pattern | tuple[Pattern, ...] | None, str]] = {}
 _PACKED_PREFILLS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # attention layers whose cache holds a packed batch
@@ -102,7 +116,6 @@ def register(pattern: Pattern | list[Pattern] | None = None, *, name: str = "spa
     _REGISTERED[name] = (pattern, backend)
     AttentionInterface.register(name, _attention_function(name))
     AttentionMaskInterface.register(name, padding_mask)
-    _check_models_when_built()
     return name
 
 
@@ -121,22 +134,26 @@ def _attention_function(name: str):
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         held = _held_keys(key, pattern, causal, module)
-        if held is not None and attention_mask is not None and attention_mask.dim() == 2:
-            attention_mask = attention_mask[:, held.positions]                            # (B, Nk): the held keys'
-        key_padding_mask = _key_padding_mask(attention_mask, key, causal)                  # (B, n_written) or None
-        if key_padding_mask is not None:
+        n_k = key.shape[2] if held is None else held.kv.seq_len                        # every position so far
+        key_padding_mask = _key_padding_mask(attention_mask, key.shape[0], n_k, causal)  # (B, n_written) or None
+        if key_padding_mask is not None and held is None:
             # A static cache hands over all its slots; only the first n_written hold keys.
-            n_written = key_padding_mask.shape[1]
-            key, value = key[:, :, :n_written], value[:, :, :n_written]                 # (B, Hkv, Nk, D)
-        documents = packed_documents(query.shape[0], query.shape[2], key.shape[2], key_padding_mask,
-                                     **kwargs)                                         # (B, N) or None
-        _check_cache_of_packed_batch(module, query.shape[2], key.shape[2], documents, kwargs.get("use_cache"))
+            n_k = key_padding_mask.shape[1]
+            key, value = key[:, :, :n_k], value[:, :, :n_k]                             # (B, Hkv, Nk, D)
+        documents = packed_documents(query.shape[0], query.shape[2], n_k, key_padding_mask, **kwargs)  # (B, N)
+        _check_cache_of_packed_batch(module, query.shape[2], n_k, documents, kwargs.get("use_cache"))
+        # Left padding: positions count from each row's first token, as the model's own position_ids do.
+        starts = None if documents is not None or key_padding_mask is None else first_tokens(key_padding_mask)
+        if held is not None and starts is not None:
+            held.kv.set_starts(starts)
         if held is None or held.contiguous:
             # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
-            out = sparse_attention(query, key, value, pattern, causal=causal, key_padding_mask=key_padding_mask,
-                                   documents=documents, scale=scaling, backend=backend)   # (B, Hq, Nq, D)
+            out = left_padded_attention(query, key, value, pattern, starts, causal=causal,
+                                        key_padding_mask=key_padding_mask, documents=documents, scale=scaling,
+                                        backend=backend)                              # (B, Hq, Nq, D)
         else:  # a SparseCache evicted keys: the pattern applies at the held keys' absolute positions
-            out = held.attend(query, key, value, key_padding_mask, scaling)                # (B, Hq, Nq, D)
+            held_padding = None if key_padding_mask is None else key_padding_mask[:, held.positions]  # (B, Nk)
+            out = held.attend(query, key, value, held_padding, scaling)                   # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return rearrange(out, "b h n d -> b n h d").contiguous(), None
@@ -290,7 +307,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
                          f"config.sliding_window or layer_types), so key positions no longer start at the sequence "
                          f"start and the keys a pattern may need are gone; build the model with "
                          f"config.sliding_window=None (every layer full attention): the sparse_attn pattern decides "
-                         f"which keys each query sees; or generate with past_key_values=SparseCache(model), which "
+                         f"which keys each query sees; or generate with {CACHE_KEYWORD}=SparseCache(model), which "
                          f"keeps what each layer's pattern can still reach and tells the attention where it is")
     n_written = int(q_offset) + q_length
     if n_written > kv_length:
@@ -307,14 +324,15 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     return None if n_written == kv_length and bool(attention_mask.all()) else attention_mask
 
 
-def _key_padding_mask(attention_mask: torch.Tensor | None, key: torch.Tensor, causal: bool) -> torch.Tensor | None:
+def _key_padding_mask(attention_mask: torch.Tensor | None, batch: int, n_k: int,
+                      causal: bool) -> torch.Tensor | None:
     """sparse_attn's key_padding_mask (B, n_written), True = padding, from the mask a model hands the attention.
 
-    n_written = Nk, except for a static cache, whose mask (from ``padding_mask``) covers the written keys only.
+    n_written = n_k, the positions seen so far, except for a static cache, whose mask (from ``padding_mask``)
+    covers the written keys only.
     """
     if attention_mask is None:
         return None
-    batch, n_k = key.shape[0], key.shape[2]
     if attention_mask.dtype != torch.bool:  # additive float mask: 0 = keep, large negative = masked
         attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
     if attention_mask.dim() == 4 and attention_mask.shape[-1] == n_k:
@@ -324,6 +342,22 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, key: torch.Tensor, ca
                          f"(or a 4D mask ending in kv_length), got shape {tuple(attention_mask.shape)}; pass the "
                          f"model a 2D attention_mask (1 = token, 0 = padding)")
     return ~attention_mask
+
+
+def first_tokens(key_padding_mask: torch.Tensor) -> torch.Tensor | None:
+    """Each row's first real token (B,) int64 on the CPU, from a padding mask (B, N), True = padding; None without
+    left padding.
+
+    >>> first_tokens(torch.tensor([[False, False, False], [True, True, False]])).tolist()
+    [0, 2]
+    >>> first_tokens(torch.tensor([[False, False, True]])) is None               # right padding: no shift
+    True
+
+    A row of padding only (no token yet) gets N: its first token comes later.
+    """
+    real = ~key_padding_mask                                                          # (B, N)
+    starts = torch.where(real.any(1), real.int().argmax(1), real.shape[1])            # (B,)
+    return starts.cpu() if bool(starts.any()) else None
 
 
 def _padding_of_4d_mask(mask: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -357,17 +391,24 @@ class SparseCacheLayer(CacheLayerMixin):
         return f"SparseCacheLayer({self.pattern!r}, {self.get_seq_length()} tokens seen, {self.nbytes} bytes held)"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self._initialize(key_states, self._new_kv())
+
+    def _new_kv(self) -> SparseKVCache:
         # transformers caches keys in decoders, whose attention is causal (the queries of a chunk see no later key)
-        self.kv = SparseKVCache(self.pattern & Causal(), backend=self.backend)
-        self.is_initialized = True
+        return SparseKVCache(self.pattern & Causal(), backend=self.backend)
+
+    def _initialize(self, key_states: torch.Tensor, kv: SparseKVCache) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.kv, self.is_initialized = kv, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new keys/values (B, Hkv, n_new, D); return the held ones, their positions remembered."""
+        """Append the new keys/values (B, Hkv, n_new, D); return the held ones, their positions remembered.
+        Keys that cannot continue the cache raise before anything changes (the layer stays uninitialised)."""
+        kv = self.kv if self.is_initialized else self._new_kv()
+        keys, values, positions = kv.update(key_states, value_states)                      # (B, Hkv, Nk, D), (Nk,)
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        keys, values, positions = self.kv.update(key_states, value_states)               # (B, Hkv, Nk, D), (Nk,)
-        _HELD_KEYS[id(keys)] = _Held(weakref.ref(keys, _forget(id(keys))), positions, self.pattern, self.kv)
+            self._initialize(key_states, kv)
+        _HELD_KEYS[id(keys)] = _Held(weakref.ref(keys, _forget(id(keys))), positions, self.pattern, kv)
         return keys, values
 
     def get_seq_length(self) -> int:
@@ -393,12 +434,17 @@ class SparseCacheLayer(CacheLayerMixin):
         raise ValueError("SparseCache does not support beam search (num_beams > 1) or other reordering of its batch; "
                          "generate greedily or by sampling, or use a DynamicCache for beam search")
 
+    def crop(self, *args, **kwargs) -> None:
+        raise ValueError("SparseCache cannot crop (assisted generation, prompt lookup and DoLa take back tokens): "
+                         "the keys the taken-back tokens let it drop are gone; generate without them, or use a "
+                         "DynamicCache with the same attn_implementation")
+
 
 class SparseCache(Cache):
     """A ``transformers.Cache`` whose layers keep only the keys their sparse_attn pattern can still reach.
 
     >>> cache = SparseCache(model)                                               # doctest: +SKIP
-    >>> model.generate(ids, past_key_values=cache, max_new_tokens=100_000)      # doctest: +SKIP
+    >>> model.generate(ids, cache=cache, max_new_tokens=100_000)                # doctest: +SKIP
 
     ``model`` (or its config) runs a name registered with :func:`register` as its ``attn_implementation``;
     layer ``i`` evicts by the pattern the attention of layer ``i`` runs (``model_pattern``), so generation
@@ -523,22 +569,58 @@ def _tiled(table: nn.Embedding, size: int, offset: int) -> nn.Embedding:
 
 
 def _check_models_when_built() -> None:
-    """Wrap ``PreTrainedModel._check_and_adjust_attn_implementation`` (run when a model is built or switched
-    to a new attn_implementation) so that a registered name raises for models sparse_attn cannot run,
-    instead of being ignored by them or crashing inside them."""
+    """Wrap ``PreTrainedModel._check_and_adjust_attn_implementation`` (run when a model is built, loaded or
+    switched to a new attn_implementation; wrapped once, when this module is imported) so that
+
+    - a registered name raises for models sparse_attn cannot run, instead of being ignored by them or
+      crashing inside them, and warns when it gives the model ``DEFAULT_PATTERN`` unasked;
+    - a model whose config holds ``sparse_attn_pattern`` (saved by ``save_pretrained``) and is loaded without
+      an attn_implementation runs sparse_attn again, not transformers' default;
+    - a name that looks like sparse_attn's but was never given to ``register`` says so."""
     adjust = PreTrainedModel._check_and_adjust_attn_implementation
     if getattr(adjust, "checks_sparse_attn", False):
         return
 
     @functools.wraps(adjust)
     def check_and_adjust(model, attn_implementation, *args, **kwargs):
-        chosen = adjust(model, attn_implementation, *args, **kwargs)
+        chosen = adjust(model, _requested(model, attn_implementation), *args, **kwargs)
         if chosen in _REGISTERED:
             check_model(model, chosen)
+            _warn_if_default_pattern(model.config, chosen)
         return chosen
 
     check_and_adjust.checks_sparse_attn = True
     PreTrainedModel._check_and_adjust_attn_implementation = check_and_adjust
+
+
+def _requested(model: PreTrainedModel, attn_implementation):
+    """The attn_implementation to build ``model`` with: 'sparse_attn' for a config with a saved pattern when none
+    is asked for; a ValueError pointing at ``register`` for a sparse_attn-like name that is not registered."""
+    if attn_implementation is None and getattr(model.config, "sparse_attn_pattern", None) is not None:
+        return "sparse_attn" if "sparse_attn" in _REGISTERED else register(name="sparse_attn")
+    if not isinstance(attn_implementation, str) or attn_implementation in _REGISTERED or \
+            attn_implementation == "eager" or attn_implementation in ALL_ATTENTION_FUNCTIONS:
+        return attn_implementation
+    close = difflib.get_close_matches(attn_implementation, [*_REGISTERED, "sparse_attn"], n=1, cutoff=0.75)
+    if close or "sparse" in attn_implementation.lower():
+        registered = f" (registered in this process: {sorted(_REGISTERED)})" if _REGISTERED else ""
+        suggestion = f", or did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"attn_implementation={attn_implementation!r} is not registered{registered}. sparse_attn's "
+                         f"attention runs under a name given to sparse_attn.integrations.transformers.register(), "
+                         f"called once per process before the model is built or loaded: register(pattern, "
+                         f"name={attn_implementation!r}){suggestion}")
+    return attn_implementation
+
+
+def _warn_if_default_pattern(config, name: str) -> None:
+    registered, _ = _REGISTERED[name]
+    if registered is None and getattr(config, "sparse_attn_pattern", None) is None and own_patterns(config) is None:
+        warnings.warn(f"attn_implementation={name!r} runs this {getattr(config, 'model_type', '')} model with "
+                      f"sparse_attn's default pattern {DEFAULT_PATTERN!r} (256 tokens each side and a global first "
+                      f"token): register() got no pattern and model.config.sparse_attn_pattern is not set. Choose "
+                      f"one for the model with register(pattern, name={name!r}) or model.config.sparse_attn_pattern "
+                      f"= pattern.to_dict() (docs/integrations.md, 'Choosing the pattern per model')", UserWarning,
+                      stacklevel=2)
 
 
 def check_model(model: PreTrainedModel, name: str = "sparse_attn") -> None:
@@ -576,3 +658,6 @@ def _own_attention_class(model_class: type) -> str | None:
         return None
     layer = re.search(r"^class (\w*Attention\w*)\(nn\.Module\):", source, re.MULTILINE)
     return layer.group(1) if layer and "ALL_ATTENTION_FUNCTIONS" not in source else None
+
+
+_check_models_when_built()
