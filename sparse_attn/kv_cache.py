@@ -276,7 +276,7 @@ class SparseKVCache:
         """Refuse starts that need keys this cache has already dropped."""
         until = self.retention.dense_until
         needed = [fixed[fixed < self._seen]]
-        needed += [np.arange(s, self._seen) for s in np.unique(starts) if self._seen <= until + s]  # global rows to come
+        needed += [np.arange(s, self._seen) for s in np.unique(starts) if self._seen <= until + s]  # global rows
         held = self._slot_positions[self._held_slots()]
         gone = np.setdiff1d(np.concatenate(needed), held)
         if len(gone):

@@ -73,14 +73,11 @@ def test_a_sparse_cache_keeps_each_rows_sinks():
     model = _model("sinks")
     _, ids, mask = _prompts()
     cache = SparseCache(model)
-    _generate_with(model, ids, mask, cache)
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                   **{CACHE_KEYWORD: cache})
     pads = [max(LENGTHS) - n for n in LENGTHS]
     for layer in cache.layers:
         assert layer.kv.starts.tolist() == pads
         held = set(layer.kv.positions.tolist())
         assert {p + s for p in (0, 1) for s in pads} <= held and len(held) < cache.get_seq_length()
 
-
-def _generate_with(model, ids, mask, cache):
-    model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                   **{CACHE_KEYWORD: cache})

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
-from sparse_attn.kv_cache import SparseKVCache, layout_at_positions
+from sparse_attn.kv_cache import SparseKVCache, layout_at_positions, left_padded_attention
 from sparse_attn.layout import BlockLayout
 from sparse_attn.rules import Context
 from tests.test_layout import patterns
@@ -238,7 +238,7 @@ def _bad_calls():
         ("k type", lambda c: c.update(x.numpy(), x), TypeError, "k must be a torch.Tensor, got ndarray"),
         ("k dtype", lambda c: c.update(x.long(), x.long()), TypeError, "k and v must be float16, bfloat16, float32"),
         ("k and v", lambda c: c.update(x, x[..., :4]), ValueError, "k and v must have the same shape"),
-        ("k empty", lambda c: c.update(x[:, :, :0], x[:, :, :0]), ValueError, r"k must have shape .* got \(1, 2, 0, 8\)"),
+        ("k empty", lambda c: c.update(x[:, :, :0], x[:, :, :0]), ValueError, r"k must have shape .* \(1, 2, 0, 8\)"),
         ("k batch", lambda c: c.attend(q.repeat(2, 1, 1, 1), x.repeat(2, 1, 1, 1), x.repeat(2, 1, 1, 1)), ValueError,
          "does not continue this cache"),
     ]
@@ -354,3 +354,17 @@ def test_set_starts_errors_leave_the_cache_as_it_was():
     with pytest.raises(ValueError, match="k has batch 2 but set_starts gave 3 starts"):
         fresh.update(x, x)
     assert fresh.seq_len == 0 and fresh.nbytes == 0
+
+
+def test_left_padded_attention_forward_and_backward_equal_each_sequence_alone():
+    """Training on a left-padded batch: gradients reach each row's real tokens only, as for the row alone."""
+    pattern, g = sa.Local(2, 0) | sa.Sink(first=1), torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, h, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (2, 1, 1))
+    out = left_padded_attention(q, k, v, pattern, [0, 4], causal=True, backend="numba")
+    out.sum().backward()
+    alone = [t.detach()[1:, :, 4:].requires_grad_() for t in (q, k, v)]
+    expected = sa.sparse_attention(*alone, pattern, causal=True, backend="reference")
+    expected.sum().backward()
+    assert (out[1:, :, 4:] - expected).abs().max().item() <= 1e-12 and not out[1, :, :4].any()
+    for padded, one in zip((q, k, v), alone):
+        assert (padded.grad[1:, :, 4:] - one.grad).abs().max().item() <= 1e-12 and not padded.grad[1, :, :4].any()
