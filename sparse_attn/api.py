@@ -7,6 +7,7 @@ torch.Size([1, 2, 100, 16])
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -15,9 +16,10 @@ import torch
 from einops import rearrange
 
 from . import backends
+from ._host import host_only
 from .checks import check_bool
 from .compiler import build_layout, check_call_masks
-from .layout import BlockLayout
+from .layout import BlockLayout, KernelIndex
 from .pattern import Pattern
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -63,8 +65,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
         out, lse = _meta_attention(q, k, v)
     else:
-        layout = resolve_layout(pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal, key_padding_mask,
-                                global_mask, documents).to(q.device)
+        layout = _layout_on(q.device, pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal,
+                            key_padding_mask, global_mask, documents)
         module.check(q, k, v, layout)
         out, lse = module.attention(q, k, v, layout, scale)
     return (out, lse) if return_lse else out
@@ -79,6 +81,56 @@ def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_si
                             key_padding_mask=key_padding_mask, documents=documents, batch=batch)
     check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
     return pattern
+
+
+def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal,
+               key_padding_mask, global_mask, documents) -> BlockLayout:
+    """The layout to run, on ``device``.
+
+    Under torch.compile the layout stays out of the graph. A prebuilt layout on ``device`` and a Pattern without
+    call-time data at static sizes are found (built, cached, moved) while Dynamo traces, and the graph reads
+    their tensors as constants: no graph break, so ``fullgraph=True`` works. Call-time masks and documents are
+    data, and dynamic sizes have no value while tracing: their layout is built on the host when the graph
+    runs, a graph break (an error under ``fullgraph=True``)."""
+    if not torch.compiler.is_compiling():
+        return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
+                              documents).to(device)
+    check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
+    if isinstance(pattern, BlockLayout) and pattern.device == device:
+        return pattern                                 # its tensors are the graph's inputs
+    index = None
+    no_call_data = key_padding_mask is None and global_mask is None and documents is None
+    if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
+        index = _index_while_tracing(device, pattern, batch, heads, n_q, n_k, block_size, causal)
+    if index is None:
+        return _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask,
+                            global_mask, documents)
+    return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
+                               causal=causal, **dict(zip(KernelIndex._fields, index)))
+
+
+def _index_while_tracing(device, pattern, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
+    """``layout.index`` on ``device`` of the layout the call runs, as Dynamo's constants; None for a pattern
+    built inside the compiled function (Dynamo hands over an object whose constructor has not run)."""
+    if isinstance(pattern, Pattern) and not _constructed(pattern):
+        return None
+    return tuple(resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, None, None).to(device).index)
+
+
+# torch.compiler.assume_constant_result's mark, set without importing Dynamo (a second and 100+ MB): Dynamo runs
+# the function while tracing and keeps its result as constants of the graph.
+_index_while_tracing._dynamo_marked_constant = True
+
+
+def _constructed(pattern: Pattern) -> bool:
+    return all(hasattr(pattern, field.name) for field in dataclasses.fields(pattern))
+
+
+@host_only  # call-time data or dynamic sizes: a graph break
+def _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
+                 documents) -> BlockLayout:
+    return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
+                          documents).to(device)
 
 
 def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causal, key_padding_mask,

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..layout import BlockLayout
+from ..layout import BlockLayout, KernelIndex
 from . import work_split
 
 BLOCK_SIZE = 64
@@ -686,7 +686,7 @@ def _on_device(q: torch.Tensor, block: int):
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], block: int,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     with _on_device(q, block):
-        return _forward(q, k, v, index, block, scale)
+        return _forward(q, k, v, _with_tile_bytes(index, block), block, scale)
 
 
 @_forward_op.register_fake
@@ -699,12 +699,19 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, dlse: torch.Tensor | None, index: list[torch.Tensor], block: int,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _on_device(q, block):
-        return _backward(dout, q, k, v, out, lse, dlse, index, block, scale)
+        return _backward(dout, q, k, v, out, lse, dlse, _with_tile_bytes(index, block), block, scale)
 
 
 @_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, index, block, scale):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _with_tile_bytes(index: list[torch.Tensor], block: int) -> list[torch.Tensor]:
+    """``index`` (the ``KernelIndex`` fields) with its bool tiles as the (n_masks, BLOCK, BLOCK) bytes the kernels
+    load. Done inside the ops: Inductor cannot lower a bool -> uint8 view (torch.iinfo(torch.bool))."""
+    index = KernelIndex(*index)
+    return list(index._replace(masks=_block_tiles(index.masks, block).view(torch.uint8)))
 
 
 def _setup_context(ctx, inputs, output):
@@ -775,14 +782,12 @@ def check(q, k, v, layout: BlockLayout) -> None:
 
 def attention(q, k, v, layout: BlockLayout, scale: float):
     """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
-    index = layout.index._replace(masks=_block_tiles(layout).view(torch.uint8))  # bytes load everywhere
-    return _forward_op(q, k, v, list(index), layout.block_size, scale)
+    return _forward_op(q, k, v, list(layout.index), layout.block_size, scale)
 
 
-def _block_tiles(layout: BlockLayout) -> torch.Tensor:
+def _block_tiles(masks: torch.Tensor, bs: int) -> torch.Tensor:
     """``layout.masks`` as the (n_masks, BLOCK, BLOCK) tiles the kernels load: a sequence shorter than a
     block has tiles of its own size, padded here with False (at most 128 x 128 each)."""
-    bs, masks = layout.block_size, layout.masks
     if masks.shape[1:] == (bs, bs):
         return masks
     padded = torch.zeros(masks.shape[0], bs, bs, dtype=torch.bool, device=masks.device)

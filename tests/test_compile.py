@@ -1,0 +1,163 @@
+"""torch.compile with Inductor, the default backend, on small shapes: the function, the nn layer and a Hugging Face
+Llama, forward and backward, with and without fullgraph=True, each against the same code run eagerly.
+
+q, k, v come as the projections hand them over, (B, N, H, D) storage seen as (B, H, N, D): Inductor checks
+that the kernels' outputs have the strides their fake kernels promise. A Pattern without call-time data is
+built while Dynamo traces (one graph, fullgraph=True works); call-time masks are data, so their layout is
+built on the host at run time, a graph break (and under fullgraph=True, Dynamo's error). Inductor's graph
+caches are off here, so a graph compiled by an older checkout is never what runs.
+"""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import sparse_attn as sa
+from sparse_attn import backends
+from sparse_attn.nn import SparseSelfAttention
+
+BACKEND = "numba" if backends.availability("numba")[0] else "reference"
+PATTERN = sa.Local(4) | sa.Global(first=1)         # built outside the compiled functions, as the docs say
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)             # float32: Inductor may fuse the projections differently
+
+
+@pytest.fixture(autouse=True)
+def fresh_compiles():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def inductor(fn, fullgraph: bool):
+    """``fn`` compiled by Inductor, and the counter of the graphs Dynamo hands it."""
+    counter = CompileCounterWithBackend("inductor")
+    return torch.compile(fn, backend=counter, fullgraph=fullgraph), counter
+
+
+def projected_qkv(batch=2, q_heads=2, kv_heads=1, n=40, head_dim=8, device="cpu"):
+    """q (B, Hq, N, D), k, v (B, Hkv, N, D), each a transposed view of (B, N, H, D) storage."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((batch, n, q_heads, head_dim), (batch, n, kv_heads, head_dim), (batch, n, kv_heads, head_dim))
+    qkv = [torch.randn(shape, generator=gen).to(device).transpose(1, 2) for shape in shapes]
+    assert not qkv[0].is_contiguous()
+    return qkv
+
+
+def outputs_and_grads(fn, q, k, v, *args):
+    """out, lse and the gradients of q, k, v of a loss over both, on fresh leaves."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v, *args)
+    (out.square().sum() + torch.where(torch.isinf(lse), 0.0, lse).sum()).backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("given", ["pattern", "layout"])
+def test_function_is_one_graph_with_fullgraph(given):
+    q, k, v = projected_qkv()
+    pattern = PATTERN if given == "pattern" else PATTERN.layout(40, heads=2)
+
+    def attend(q, k, v):
+        return sa.sparse_attention(q, k, v, pattern, backend=BACKEND, return_lse=True)
+
+    compiled, graphs = inductor(attend, fullgraph=True)
+    for actual, expected in zip(outputs_and_grads(compiled, q, k, v), outputs_and_grads(attend, q, k, v)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1                  # the layout was found while tracing, outside the graph
+
+
+def test_call_time_masks_break_the_graph_cleanly():
+    q, k, v = projected_qkv()
+    padding = torch.arange(40) >= torch.tensor([[40], [29]])                     # (B, N), True = padding
+
+    def attend(q, k, v, padding):
+        return sa.sparse_attention(q, k, v, PATTERN, key_padding_mask=padding, backend=BACKEND, return_lse=True)
+
+    compiled, _ = inductor(attend, fullgraph=False)
+    for actual, expected in zip(outputs_and_grads(compiled, q, k, v, padding),
+                                outputs_and_grads(attend, q, k, v, padding)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+        inductor(attend, fullgraph=True)[0](q, k, v, padding)
+
+
+def test_dynamic_lengths_build_the_layout_on_the_host():
+    """A dynamic length has no value while tracing: the layout of each length is built when the graph runs."""
+    compiled = torch.compile(lambda q, k, v: sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND, return_lse=True),
+                             dynamic=True)
+    for n in (20, 33):
+        q, k, v = projected_qkv(n=n)
+        for actual, expected in zip(compiled(q, k, v), sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND,
+                                                                           return_lse=True)):
+            torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_pattern_made_inside_the_compiled_function_breaks_the_graph_cleanly():
+    """Dynamo cannot hand a pattern built while tracing to the layout build: a graph break, as the docs say."""
+    q, k, v = projected_qkv(n=20)
+
+    def attend(q, k, v):
+        return sa.sparse_attention(q, k, v, sa.Local(2) | sa.Causal(), backend=BACKEND, return_lse=True)
+
+    compiled, _ = inductor(attend, fullgraph=False)
+    for actual, expected in zip(outputs_and_grads(compiled, q, k, v), outputs_and_grads(attend, q, k, v)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_layer_forward_and_backward(fullgraph):
+    """fullgraph=True: no masks, one graph; without it, key padding (built on the host: a graph break)."""
+    torch.manual_seed(0)
+    layer = SparseSelfAttention(32, 4, PATTERN, num_kv_heads=2, backend=BACKEND)
+    x = torch.randn(2, 40, 32)                                                    # (B, N, E)
+    padding = None if fullgraph else torch.arange(40) >= torch.tensor([[40], [29]])   # (B, N)
+    compiled, graphs = inductor(layer, fullgraph=fullgraph)
+    results = []
+    for fn in (compiled, layer):
+        layer.zero_grad()
+        out = fn(x, key_padding_mask=padding)
+        out.square().sum().backward()
+        results.append([out] + [p.grad.clone() for p in layer.parameters()])
+    for actual, expected in zip(*results):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1 or not fullgraph
+
+
+def test_hugging_face_llama_trains_compiled():
+    """torch.compile(model) on the sparse route (no fullgraph: transformers' attention function reads the padding
+    mask and the positions' values), one training step's loss and gradients against eager."""
+    transformers = pytest.importorskip("transformers", reason='needs transformers: pip install ".[hf]"')
+    from sparse_attn.integrations.transformers import register
+
+    name = register(PATTERN, name="sparse_attn_test_compile", backend=BACKEND)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, vocab_size=100, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    compiled, _ = inductor(model, fullgraph=False)
+    results = []
+    for fn in (compiled, model):
+        model.zero_grad()
+        out = fn(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, out.loss] + [p.grad.clone() for p in model.parameters()])
+    for actual, expected in zip(*results):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_triton_backend_with_a_layout_built_on_the_host():
+    """The Triton ops under Inductor (in Triton's interpreter without a GPU). On CUDA the layout, built on the
+    CPU, is moved while tracing; Inductor once died lowering the bool -> uint8 view of its in-graph copy. The
+    sequence is shorter than a block, so the kernels get padded tiles."""
+    pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = projected_qkv(batch=1, n=24, head_dim=16, device=device)
+    layout = PATTERN.layout(24, heads=2, block_size=32)
+
+    def attend(q, k, v):
+        return sa.sparse_attention(q, k, v, layout, backend="triton", return_lse=True)
+
+    compiled, graphs = inductor(attend, fullgraph=True)
+    for actual, expected in zip(outputs_and_grads(compiled, q, k, v), outputs_and_grads(attend, q, k, v)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1
