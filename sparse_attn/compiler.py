@@ -173,14 +173,26 @@ class LayoutCache:
     ENTRY_BYTES = 8 << 10  # a layout's Python and tensor objects: measured at about 7.5 KB on CPython 3.11
 
     def __init__(self, budget: int, recent: int = 2):
-        self.budget, self.recent = check_int("budget", budget, 0), check_int("recent", recent, 1)
+        self.recent = check_int("recent", recent, 1)
         self._entries: OrderedDict[tuple, tuple[BlockLayout, object, int]] = OrderedDict()  # latest last
         self._call_data: OrderedDict[object, None] = OrderedDict()    # call-time data values, latest last
         self._nbytes = 0
         self._lock = threading.Lock()
+        self.budget = budget
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def budget(self) -> int:
+        """The bytes the kept layouts may count; lowering it drops the least recently used ones at once."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        with self._lock:
+            self._budget = check_int("budget", value, 0)
+            self._keep_budget()
 
     @property
     def nbytes(self) -> int:
@@ -218,14 +230,17 @@ class LayoutCache:
                     stale, _ = self._call_data.popitem(last=False)
                     for old in [k for k, (_, data, _) in self._entries.items() if data == stale]:
                         self._drop(old)
-            while len(self._entries) > 1 and self._nbytes > self.budget:
-                self._drop(next(iter(self._entries)))
+            self._keep_budget()
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
             self._call_data.clear()
             self._nbytes = 0
+
+    def _keep_budget(self) -> None:
+        while len(self._entries) > 1 and self._nbytes > self._budget:
+            self._drop(next(iter(self._entries)))
 
     def _drop(self, key) -> None:
         entry = self._entries.pop(key, None)

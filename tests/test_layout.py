@@ -219,9 +219,10 @@ def test_the_layout_cache_is_bounded_by_bytes_least_recently_used_out_first():
     cache.put(4096, layouts[4096], call_data=None)                 # 512, the least recently used, goes first
     assert cache.get(512) is None and cache.get(256) is layouts[256] and cache.get(4096) is layouts[4096]
     assert cache.nbytes <= cache.budget and cache.nbytes == sum(size[n] for n in (256, 1024, 4096) if cache.get(n))
-    cache.budget = size[4096] - 1                                  # the latest alone is over the budget: kept alone
-    cache.put(4096, layouts[4096], call_data=None)
+    cache.budget = size[4096] - 1                      # lowered: drops at once; the latest alone is over it, kept
     assert len(cache) == 1 and cache.get(4096) is layouts[4096] and cache.nbytes == size[4096]
+    with pytest.raises(ValueError, match="budget must be >= 0, got -1"):
+        cache.budget = -1
 
 
 def test_packed_training_keeps_only_the_latest_packings_and_every_layer_shares_one():
