@@ -37,7 +37,8 @@ reports n/a with the reason.
 
 End to end: a tiny random Llama (2 layers, hidden 64, 4 query / 2 key-value heads, the pattern
 registered as ``attn_implementation``) generates ``--generate-tokens`` tokens greedily from a 16-token
-prompt with ``past_key_values=SparseCache(model)``, its cache memory recorded every 256 tokens; and
+prompt with ``cache=SparseCache(model)`` (``past_key_values=`` before transformers 5.24), its cache
+memory recorded every 256 tokens; and
 the equality check: ``--equality-tokens`` greedy tokens with ``SparseCache`` equal those with a full
 ``DynamicCache`` (same model, pattern ``Local(255, 0) | Sink(first=4)`` so that eviction starts
 after 260 tokens).
@@ -205,7 +206,7 @@ def generate_point(tokens: int) -> dict:
     """Generate ``tokens`` tokens with SparseCache, recording its memory every 256 tokens."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from sparse_attn.integrations.transformers import SparseCache
+    from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache
 
     model = tiny_llama(PATTERN, "sparse_attn_decode_benchmark")
     cache = SparseCache(model)
@@ -219,7 +220,7 @@ def generate_point(tokens: int) -> dict:
             return scores
 
     start = time.perf_counter()
-    out = model.generate(_prompt(), past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens,
+    out = model.generate(_prompt(), **{CACHE_KEYWORD: cache}, max_new_tokens=tokens, min_new_tokens=tokens,
                          do_sample=False, logits_processor=LogitsProcessorList([RecordMemory()]))
     wall = time.perf_counter() - start
     memory.append((int(out.shape[1]), cache.nbytes))
@@ -230,14 +231,14 @@ def equality_point(tokens: int) -> dict:
     """Greedy tokens with SparseCache and with a full DynamicCache, same model and pattern."""
     from transformers import DynamicCache
 
-    from sparse_attn.integrations.transformers import SparseCache
+    from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache
 
     model = tiny_llama(EQUALITY_PATTERN, "sparse_attn_decode_equality")
     options = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     runs = {}
     for cache in (SparseCache(model), DynamicCache()):
         start = time.perf_counter()
-        out = model.generate(_prompt(), past_key_values=cache, **options)
+        out = model.generate(_prompt(), **{CACHE_KEYWORD: cache}, **options)
         runs[type(cache).__name__] = {"tokens": out[0, PROMPT:].tolist(), "wall_s": time.perf_counter() - start}
     sparse, full = runs["SparseCache"]["tokens"], runs["DynamicCache"]["tokens"]
     differ = next((i for i, (a, b) in enumerate(zip(sparse, full)) if a != b), None)
@@ -352,7 +353,7 @@ def markdown(record: dict) -> str:
     if "memory" in gen:
         first, last = gen["memory"][0], gen["memory"][-1]
         lines.append(f"Tiny random Llama (2 layers, 4 query / 2 key-value heads, head dim 16), `{PATTERN_NAME}`, "
-                     f"`past_key_values=SparseCache(model)`: {gen['tokens']:,} tokens generated greedily in "
+                     f"`cache=SparseCache(model)`: {gen['tokens']:,} tokens generated greedily in "
                      f"{gen['wall_s']:.0f} s ({gen['wall_s'] / gen['tokens'] * 1e3:.1f} ms/token, generate() "
                      f"included). Cache memory (both layers) at {first[0]:,} tokens: {_mib(first[1])} MiB; at "
                      f"{last[0]:,} tokens: {_mib(last[1])} MiB; largest {_mib(max(b for _, b in gen['memory']))} MiB "
