@@ -8,6 +8,7 @@ torch.Size([1, 2, 100, 16])
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 
@@ -21,6 +22,7 @@ from .checks import check_bool
 from .compiler import build_layout, check_call_masks
 from .layout import BlockLayout, KernelIndex
 from .pattern import Pattern
+from .score_mods import NO_MODS, ScoreMods, add_sink, check_mods
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -28,7 +30,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern | BlockLayout,
                      causal: bool = False, key_padding_mask: torch.Tensor | None = None,
                      global_mask: torch.Tensor | None = None, documents: torch.Tensor | None = None,
-                     scale: float | None = None,
+                     scale: float | None = None, softcap: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                      backend: str = "auto", return_lse: bool = False):
     """Exact softmax attention over the (query, key) pairs that ``pattern`` allows.
 
@@ -45,9 +48,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
             from its first token, no pair crosses documents, padding rows output 0. Build it with
             ``sa.documents_from_lengths`` or ``sa.documents_from_cu_seqlens``.
         scale: score scale, default ``1 / sqrt(D)``.
+        softcap: a float > 0: each allowed score ``s = scale * q_i . k_j`` becomes ``softcap * tanh(s / softcap)``
+            (Gemma 2's logit soft-capping).
+        alibi_slopes: (Hq,) or (B, Hq) float tensor on q's device: ``s`` becomes ``s - slope * |i + (Nk - Nq) - j|``
+            (ALiBi, bottom-right positions as every pattern; within its document with ``documents``), after
+            the softcap. The slopes get no gradient.
+        sinks: (Hq,) float tensor on q's device, learned attention sinks (gpt-oss): ``exp(sinks[h])`` joins every
+            row's softmax denominator with no value; differentiable.
         backend: "auto" (triton for CUDA tensors, numba for CPU), "reference", "numba" or "triton".
         return_lse: also return the log-sum-exp of each query row, (B, Hq, Nq) float32 (float64
-            for float64 inputs); -inf for rows with no allowed key (whose output is 0).
+            for float64 inputs); -inf for rows with no allowed key (whose output is 0). With ``sinks`` it
+            includes the sink's term (a row with no allowed key: lse = its head's sink).
 
     Returns:
         out (B, Hq, Nq, D) in the dtype of q, or ``(out, lse)`` with ``return_lse=True``.
@@ -61,6 +72,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     return_lse = check_bool("return_lse", return_lse)
     module = backends.load(backends.choose(backend, q.device))
     scale = resolve_scale(scale, head_dim)
+    mods, sinks = check_mods(q, softcap, alibi_slopes, sinks)
     if q.device.type == "meta":
         check_pattern_arg(pattern, batch, q_heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
         out, lse = _meta_attention(q, k, v)
@@ -68,8 +80,21 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         layout = _layout_on(q.device, pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal,
                             key_padding_mask, global_mask, documents)
         module.check(q, k, v, layout)
-        out, lse = module.attention(q, k, v, layout, scale)
+        out, lse = run_backend(module, q, k, v, layout, scale, mods)
+    if sinks is not None:
+        out, lse = add_sink(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def run_backend(module, q, k, v, layout: BlockLayout, scale: float, mods: ScoreMods = NO_MODS):
+    """``module.attention`` with the in-kernel modifiers; the call without them where there are none, until every
+    backend takes ``mods`` (a backend that does not yet says so)."""
+    if mods == NO_MODS:
+        return module.attention(q, k, v, layout, scale)
+    if "mods" not in inspect.signature(module.attention).parameters:
+        raise NotImplementedError(f"the {module.__name__.rsplit('.', 1)[-1]} backend does not run softcap or "
+                                  f"alibi_slopes yet; use backend='reference'")
+    return module.attention(q, k, v, layout, scale, mods)
 
 
 def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,

@@ -3,7 +3,9 @@
 - ``BLOCK_SIZE``: the block size of the layouts it builds from a Pattern;
 - ``check(q, k, v, layout)``: raises ``ValueError``/``RuntimeError`` saying why it cannot run these
   inputs (device, dtype, head dim, block size) and what to do instead;
-- ``attention(q, k, v, layout, scale) -> (out, lse)``: differentiable with respect to q, k, v.
+- ``attention(q, k, v, layout, scale, mods=NO_MODS) -> (out, lse)``: differentiable with respect to q, k, v
+  (and through lse: its gradient reaches q and k); ``mods`` a ``sparse_attn.score_mods.ScoreMods``, the
+  softcap and ALiBi of every allowed score (sinks are applied outside the backends, by ``add_sink``).
 
 Backends never import each other; ``load`` imports one on first use, so Triton and Numba are only
 imported when asked for.
