@@ -36,6 +36,7 @@ from .api import check_inputs, resolve_layout, resolve_scale
 from .checks import check_bool
 from .layout import BlockLayout
 from .pattern import Pattern
+from .score_mods import combine_partials
 from .shard_plan import RankProgram, ShardPlan
 
 
@@ -332,24 +333,6 @@ def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, g
     back = back.view(world, n_ship, batch, q_heads, head_dim + 1)                  # (W, n_ship, B, Hq, D + 1)
     out, lse = combine_partials(back[..., :head_dim], back[..., head_dim])
     return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
-
-
-def combine_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of disjoint key sets from the results over each: out (P, ..., D) and lse
-    (P, ...) of P parts -> out (..., D), lse (...). A row no part attends gives 0 and -inf (gradients 0).
-
-    >>> out, lse = combine_partials(torch.tensor([[[1.0]], [[3.0]]]), torch.tensor([[0.0], [0.0]]))
-    >>> out.item(), round(lse.item(), 4)              # two equal halves: the mean, log 2
-    (2.0, 0.6931)
-    """
-    top = lse.amax(0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp(lse - top)                                                  # (P, ...)
-    total = weight.sum(0)
-    seen = total > 0
-    safe = torch.where(seen, total, torch.ones_like(total))
-    combined = (weight[..., None] * out).sum(0) / safe[..., None]
-    return combined, torch.where(seen, top + torch.log(safe), torch.full_like(top, -torch.inf))
 
 
 class _Exchange(torch.autograd.Function):

@@ -27,7 +27,7 @@ holds ``window + chunk`` slots: sized on the first update, reallocated only when
 (a prefill chunk, then single tokens), never step by step.
 
 Imports run one way: this module imports ``api``, ``layout``, ``pattern``, ``retention``, ``rules``,
-``blocks``, ``checks`` and ``backends``; none of them imports it.
+``blocks``, ``checks``, ``score_mods`` and ``backends``; none of them imports it.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from .layout import BlockLayout
 from .pattern import check_pattern
 from .retention import retention
 from .rules import Context, resolve
+from .score_mods import add_sink, alibi_alignment, check_mods, combine_partials
 
 _MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what sparse_attention takes
@@ -309,20 +310,22 @@ class SparseKVCache:
 
     # --- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               return_lse: bool = False):
+               return_lse: bool = False, **mods):
         """``update(k, v)``, then the new queries q (B, Hq, n_new, D) over the held keys: equal to
-        ``sparse_attention(q, k_all, v_all, pattern)`` over the whole past. Returns out (B, Hq, n_new, D),
-        or ``(out, lse)`` with ``return_lse=True``. Every argument is checked first: a call that raises leaves
-        the cache as it was."""
+        ``sparse_attention(q, k_all, v_all, pattern, **mods)`` over the whole past. Returns out (B, Hq, n_new,
+        D), or ``(out, lse)`` with ``return_lse=True``. ``mods``: ``softcap``, ``alibi_slopes``, ``sinks`` as in
+        ``sparse_attention`` (ALiBi at the tokens' positions, whatever was evicted between them). Every
+        argument is checked first: a call that raises leaves the cache as it was."""
         self._check_kv(k, v)
-        self._check_queries(q, k, v, scale, return_lse)
+        self._check_queries(q, k, v, scale, return_lse, mods)
         keys, values, positions = self._append(k, v)
-        return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse)
+        return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse, **mods)
 
-    def _check_queries(self, q, k, v, scale, return_lse) -> None:
+    def _check_queries(self, q, k, v, scale, return_lse, mods) -> None:
         """What ``attention`` would refuse after the update, checked before it: q against the new k, v (as the
-        caller passed them), the pattern's heads and length, scale, return_lse and the backend."""
+        caller passed them), the pattern's heads and length, scale, return_lse, the modifiers and the backend."""
         check_inputs(q, k, v)
+        check_mods(q, **mods)
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"q and k must hold the same new tokens (n_q == n_new), got q {tuple(q.shape)} and "
                              f"k {tuple(k.shape)}")
@@ -338,14 +341,19 @@ class SparseKVCache:
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                   scale: float | None = None, return_lse: bool = False,
-                  key_padding_mask: torch.Tensor | None = None):
+                  key_padding_mask: torch.Tensor | None = None, softcap: float | None = None,
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
         """The queries q (B, Hq, n_new, D) of the last ``update`` over what it returned (keys, values and
         positions), with the pattern's semantics at their absolute positions (counted from each example's start,
         ``set_starts``). ``key_padding_mask`` (B, n_held) bool, True = padding, masks held keys as
-        ``sparse_attention``'s does (a padded batch). Where the cache holds the whole past (nothing dropped yet:
-        a prefill), the pattern's own layout; elsewhere a layout of the held positions
-        (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask."""
+        ``sparse_attention``'s does (a padded batch); ``softcap``, ``alibi_slopes`` and ``sinks`` as there, ALiBi's
+        distance between the tokens' positions. Where the cache holds the whole past (nothing dropped yet: a
+        prefill), the pattern's own layout; elsewhere a layout of the held positions
+        (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask, and with ALiBi
+        one backend call per run of consecutive held positions (a sink run and the window: two), merged by
+        log-sum-exp."""
         return_lse = check_bool("return_lse", return_lse)
+        mods, sinks = check_mods(q, softcap, alibi_slopes, sinks)
         n_q, n_held = q.shape[2], keys.shape[2]
         if n_q != len(self._new):
             raise ValueError(f"q has {n_q} queries but the last update appended {len(self._new)} tokens; call "
@@ -359,7 +367,8 @@ class SparseKVCache:
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, order]
             return left_padded_attention(q, keys, values, self.pattern, self._starts, scale=scale,
                                          backend=self.backend, return_lse=return_lse,
-                                         key_padding_mask=key_padding_mask)
+                                         key_padding_mask=key_padding_mask, softcap=softcap,
+                                         alibi_slopes=mods.alibi_slopes, sinks=sinks)
         block_size = backends.load(backends.choose(self.backend, q.device)).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
@@ -368,11 +377,48 @@ class SparseKVCache:
             rows = slice(start, min(start + step, n_q))
             mask = allowed_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1],
                                         key_padding_mask=key_padding_mask, starts=self._starts)
-            layout = self._layout_of(mask, q.shape[1], block_size)
-            parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, backend=self.backend,
-                                          return_lse=True))
+            if mods.alibi_slopes is None:
+                layout = self._layout_of(mask, q.shape[1], block_size)
+                parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, softcap=softcap,
+                                              backend=self.backend, return_lse=True))
+            else:
+                parts.append(self._attend_runs(q[:, :, rows], self._new[rows], keys, values, positions, mask,
+                                               block_size, scale=scale, softcap=softcap,
+                                               alibi_slopes=mods.alibi_slopes))
         out, lse = (torch.cat(column, dim=2) for column in zip(*parts))
+        if sinks is not None:
+            out, lse = add_sink(out, lse, sinks)
         return (out, lse) if return_lse else out
+
+    def _attend_runs(self, q: torch.Tensor, query_pos: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
+                     positions: np.ndarray, mask: np.ndarray, block_size: int, *, alibi_slopes: torch.Tensor,
+                     **options):
+        """(out, lse) of the queries q (B, Hq, rows, D) at the consecutive positions ``query_pos`` over the held
+        keys at ``positions`` (allowed pairs: ``mask`` (Bl, Hl, rows, n_held)) with ALiBi: one backend call per
+        run of consecutive positions, padded as :func:`~sparse_attn.score_mods.alibi_alignment` says, merged by
+        log-sum-exp."""
+        n_q, query_start = q.shape[2], int(query_pos[0])
+        order = np.argsort(positions, kind="stable")
+        runs = np.split(order, np.flatnonzero(np.diff(positions[order]) != 1) + 1)
+        outs, lses = [], []
+        for run in runs:
+            run_mask = mask[..., run]
+            if not run_mask.any():
+                continue
+            pad_keys, pad_rows, shift = alibi_alignment(query_start, n_q, int(positions[run[0]]), len(run))
+            run_mask = np.pad(run_mask, [(0, 0), (0, 0), (0, pad_rows), (0, pad_keys)])
+            index = torch.from_numpy(run).to(keys.device)
+            run_k, run_v = (_pad_tokens(t.index_select(2, index), pad_keys) for t in (keys, values))
+            layout = self._layout_of(run_mask, q.shape[1], block_size)
+            out, lse = sparse_attention(_pad_tokens(q, pad_rows), run_k, run_v, layout, alibi_slopes=alibi_slopes,
+                                        backend=self.backend, return_lse=True, **options)
+            outs.append(out[:, :, :n_q])
+            lses.append(lse[:, :, :n_q] - alibi_slopes[:, :, None] * shift)
+        if not outs:                                    # no allowed key: 0 and -inf, as sparse_attention
+            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return torch.zeros_like(q), q.new_full(q.shape[:3], -torch.inf, dtype=lse_dtype)
+        out, lse = combine_partials(torch.stack(outs), torch.stack(lses))
+        return out.to(q.dtype), lse
 
     def _layout_of(self, mask: np.ndarray, heads: int, block_size: int) -> BlockLayout:
         """The layout of a token mask (Bl, Hl, rows, keys), kept for the next steps: a decode step of a bounded
@@ -419,6 +465,11 @@ def _allowed(pattern, context: Context, i: np.ndarray, j: np.ndarray, heads: int
                      for h in range(heads if pattern.head_dependent else 1)])
 
 
+def _pad_tokens(t: torch.Tensor, count: int) -> torch.Tensor:
+    """t (B, H, n, D) with ``count`` zero tokens appended."""
+    return torch.nn.functional.pad(t, (0, 0, 0, count)) if count else t
+
+
 def check_starts(starts, batch: int | None) -> np.ndarray:
     """Each example's first token, (B,) int64 numpy; ``batch`` (None: any) is B.
 
@@ -451,14 +502,17 @@ def left_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pat
     (True, 0.0)
 
     ``starts``: (B,) ints, or None (every example at 0: one ``sparse_attention`` call). Queries are the last
-    Nq positions as always; a query before its example's start returns 0 (lse -inf). One call per distinct
-    start, on that group's rows and keys from the start on (layouts of other lengths: a batch of many
-    different paddings costs one call each).
+    Nq positions as always; a query before its example's start returns 0 (lse -inf, or the sink with
+    ``sinks``: a row with no key). ALiBi's distances, differences of positions, need no shift. One call per
+    distinct start, on that group's rows and keys from the start on (layouts of other lengths: a batch of
+    many different paddings costs one call each).
     """
     starts = None if starts is None else check_starts(starts, q.shape[0])
     if starts is None or not starts.any():
         return sparse_attention(q, k, v, pattern, key_padding_mask=key_padding_mask, **options)
     return_lse = check_bool("return_lse", options.pop("return_lse", False))
+    slopes = options.pop("alibi_slopes", None)
+    sinks = check_mods(q, options.get("softcap"), slopes, options.pop("sinks", None))[1]
     n_q, n_k = q.shape[2], k.shape[2]
     order, outs, lses = [], [], []
     for start in np.unique(starts):
@@ -471,15 +525,19 @@ def left_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pat
         if start < n_k and first < n_q:
             part_k, part_v = (t if t.shape[0] == 1 else t.index_select(0, index) for t in (k, v))
             padding = None if key_padding_mask is None else key_padding_mask.index_select(0, index)[:, start:]
+            part_slopes = slopes if slopes is None or slopes.dim() == 1 or len(slopes) == 1 else \
+                slopes.index_select(0, index)
             part_out, part_lse = sparse_attention(
                 q.index_select(0, index)[:, :, first:], part_k[:, :, start:], part_v[:, :, start:], pattern,
                 key_padding_mask=padding if padding is not None and padding.any() else None, return_lse=True,
-                **options)
+                alibi_slopes=part_slopes, **options)
             out = torch.cat([out[:, :, :first], part_out], dim=2)
             lse = torch.cat([lse[:, :, :first], part_lse], dim=2)
         order.append(rows), outs.append(out), lses.append(lse)
     inverse = torch.from_numpy(np.argsort(np.concatenate(order))).to(q.device)
     out, lse = torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
+    if sinks is not None:
+        out, lse = add_sink(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -15,6 +15,14 @@ Longformer-style global attention, with separate projections for the global toke
 >>> is_global[0, 0] = is_global[1, :3] = True                    # 1 and 3 global tokens
 >>> attn(x, key_padding_mask=padding, global_mask=is_global).shape
 torch.Size([2, 100, 64])
+
+Score modifiers (``sparse_attention``'s): soft-capped scores, ALiBi and learned attention sinks:
+
+>>> slopes = 2.0 ** (-8.0 * torch.arange(1, 5) / 4)                # ALiBi's slopes for 4 heads
+>>> attn = SparseSelfAttention(64, 4, sa.Local(16, 0), softcap=30.0, alibi_slopes=slopes, sinks=True,
+...                            backend="reference")
+>>> attn(x).shape, attn.sinks.shape                               # sinks: a learned parameter per head
+(torch.Size([2, 100, 64]), torch.Size([4]))
 """
 from __future__ import annotations
 
@@ -25,8 +33,9 @@ from torch import nn
 from . import backends
 from ._host import host_only
 from .api import sparse_attention
-from .checks import check_float, check_int
+from .checks import check_bool, check_float, check_int
 from .pattern import Dense, Local, Pattern, check_pattern
+from .score_mods import check_mods
 
 
 class SparseSelfAttention(nn.Module):
@@ -48,6 +57,11 @@ class SparseSelfAttention(nn.Module):
             ``q_global_proj``, ``k_global_proj``, ``v_global_proj``; every token attends them with the
             ordinary projections. Global tokens of the *pattern* (``sa.Global``) use the ordinary
             projections.
+        softcap: a float > 0: scores become ``softcap * tanh(score / softcap)`` (as ``sparse_attention``).
+        alibi_slopes: ``num_heads`` floats (a tensor or a sequence), ALiBi's slope per head, kept as the
+            buffer ``alibi_slopes`` (it follows ``.to(device)``, gets no gradient).
+        sinks: True for a learned attention sink per head (gpt-oss), the parameter ``sinks`` of shape
+            (num_heads,), initialised to 0: ``exp(sinks[h])`` joins every row's softmax denominator.
 
     ``forward(x, key_padding_mask=None, global_mask=None, causal=False, documents=None)``:
     ``key_padding_mask`` (B, N) bool, True = padding: never attended, and the attention output at padded
@@ -60,7 +74,8 @@ class SparseSelfAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: Pattern, *, num_kv_heads: int | None = None,
                  bias: bool = True, dropout: float = 0.0, batch_first: bool = True, backend: str = "auto",
-                 global_projections: bool = False):
+                 global_projections: bool = False, softcap: float | None = None, alibi_slopes=None,
+                 sinks: bool = False):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         embed_dim, num_heads, num_kv_heads = _check_sizes(embed_dim, num_heads, num_kv_heads)
@@ -80,11 +95,18 @@ class SparseSelfAttention(nn.Module):
             self.q_global_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
             self.k_global_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
             self.v_global_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        self.softcap = softcap
+        self.register_buffer("alibi_slopes", _check_slopes(alibi_slopes, num_heads))
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if check_bool("sinks", sinks) else None
+        check_mods(torch.empty(1, num_heads, 1, 1, device="meta"), softcap)
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        mods = "".join([f", softcap={self.softcap}" if self.softcap is not None else "",
+                        ", alibi_slopes=..." if self.alibi_slopes is not None else "",
+                        ", sinks=True" if self.sinks is not None else ""])
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, pattern={self.pattern!r}, "
-                f"global_projections={self.global_projections}, backend={self.backend!r}")
+                f"global_projections={self.global_projections}{mods}, backend={self.backend!r}")
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
                 global_mask: torch.Tensor | None = None, causal: bool = False,
@@ -103,7 +125,8 @@ class SparseSelfAttention(nn.Module):
         k = self._split_heads(self.k_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         v = self._split_heads(self.v_proj(x), self.num_kv_heads)                   # (B, Hkv, N, D)
         out = sparse_attention(q, k, v, self.pattern, causal=causal, key_padding_mask=key_padding_mask,
-                               global_mask=global_mask, documents=documents, backend=self.backend)  # (B, H, N, D)
+                               global_mask=global_mask, documents=documents, backend=self.backend,
+                               **self._mods())                                            # (B, H, N, D)
         if self.global_projections and global_mask is not None:
             out = self._global_rows(x, out, key_padding_mask, global_mask, documents)
         if key_padding_mask is not None:
@@ -112,25 +135,30 @@ class SparseSelfAttention(nn.Module):
         out = self.out_proj(rearrange(out, "b h n d -> b n (h d)"))                # (B, N, E)
         return out if self.batch_first else out.transpose(0, 1)
 
+    def _mods(self) -> dict:
+        """The score modifiers as ``sparse_attention``'s keywords."""
+        return {"softcap": self.softcap, "alibi_slopes": self.alibi_slopes, "sinks": self.sinks}
+
     def _global_rows(self, x, out, key_padding_mask, global_mask, documents):
         """Replace the rows of global tokens by attention through the global projections (over their own
-        document when ``documents`` is given: every row is projected, and a pattern of global rows only,
-        ``Local(0)`` plus ``global_mask``, gives each global row its whole document)."""
+        document when ``documents`` is given, or at their positions for ALiBi: every row is projected, and a
+        pattern of global rows only, ``Local(0)`` plus ``global_mask``, gives each global row its whole
+        document or sequence)."""
         index = _global_positions(global_mask)                                    # (B, G)
         if index is None:
             return out
         k = self._split_heads(self.k_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
         v = self._split_heads(self.v_global_proj(x), self.num_kv_heads)            # (B, Hkv, N, D)
-        if documents is not None:
+        if documents is not None or self.alibi_slopes is not None:
             q = self._split_heads(self.q_global_proj(x), self.num_heads)           # (B, H, N, D)
             rows = sparse_attention(q, k, v, Local(0), key_padding_mask=key_padding_mask, global_mask=global_mask,
-                                    documents=documents, backend=self.backend)    # (B, H, N, D)
+                                    documents=documents, backend=self.backend, **self._mods())  # (B, H, N, D)
             return torch.where(global_mask[:, None, :, None], rows, out)
         heads, head_dim = out.shape[1], out.shape[3]
         x_global = x.gather(1, repeat(index, "b g -> b g e", e=x.shape[-1]))        # (B, G, E)
         q = self._split_heads(self.q_global_proj(x_global), self.num_heads)        # (B, H, G, D)
-        rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask,
-                                backend=self.backend)                             # (B, H, G, D)
+        rows = sparse_attention(q, k, v, Dense(), key_padding_mask=key_padding_mask, backend=self.backend,
+                                **self._mods())                                   # (B, H, G, D)
         index = repeat(index, "b g -> b h g d", h=heads, d=head_dim)               # (B, H, G, D)
         rows = torch.zeros_like(out).scatter(2, index, rows)                       # (B, H, N, D)
         return torch.where(global_mask[:, None, :, None], rows, out)
@@ -159,6 +187,24 @@ def _global_positions(global_mask: torch.Tensor) -> torch.Tensor | None:
     if count == 0:
         return None
     return torch.sort(global_mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :count]
+
+
+def _check_slopes(slopes, num_heads: int) -> torch.Tensor | None:
+    """``num_heads`` ALiBi slopes as a float32 tensor (checked as ``sparse_attention`` checks them), or None."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        try:
+            slopes = torch.tensor(slopes, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"alibi_slopes must be {num_heads} floats (a tensor or a sequence), got "
+                            f"{slopes!r}") from error
+    slopes = slopes.detach().cpu()
+    check_mods(torch.empty(2, num_heads, 1, 1), alibi_slopes=slopes)
+    if slopes.dim() != 1:
+        raise ValueError(f"alibi_slopes of a layer must have shape (num_heads,) = ({num_heads},), got "
+                         f"{tuple(slopes.shape)}")
+    return slopes.float().clone()
 
 
 def _check_sizes(embed_dim, num_heads, num_kv_heads) -> tuple[int, int, int]:

@@ -166,6 +166,46 @@ def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Ten
     return -slopes[:, :, None, None] * distance
 
 
+def alibi_alignment(query_start: int, n_q: int, key_start: int, n_k: int) -> tuple[int, int, int]:
+    """ALiBi for rows at positions ``[query_start, query_start + n_q)`` over keys at ``[key_start, key_start +
+    n_k)`` through a backend, whose distance is the bottom-right ``|i + (n_k' - n_q') - j|`` of its inputs:
+    ``(keys to append, rows to append, shift)``. With that padding at the ends (never attended), the backend's
+    distance plus ``shift`` is the positions' distance on every pair of real rows and keys, so the true lse is
+    the backend's less ``slope * shift`` and out is the backend's. Keys all before the rows (or all after)
+    need at most ``n_q - 1`` keys (``n_k - 1`` rows) of padding however far away they are.
+
+    >>> alibi_alignment(100, 1, 0, 4)       # a decode step over 4 sink tokens: no padding, 96 further away
+    (0, 0, 96)
+    >>> alibi_alignment(96, 4, 90, 10)      # a window that ends with the rows: as it is
+    (0, 0, 0)
+    """
+    query_end, key_end = query_start + n_q, key_start + n_k
+    if key_end - 1 <= query_start:          # every key at or before every row: the distance is i - j + const
+        return n_q - 1, 0, query_start - (key_end - 1)
+    if key_start >= query_end - 1:          # every key at or after every row: j - i + const
+        return 0, n_k - 1, key_start - (query_end - 1)
+    return max(query_end - key_end, 0), max(key_end - query_end, 0), 0
+
+
+def combine_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of disjoint key sets from the results over each: out (P, ..., D) and lse
+    (P, ...) of P parts -> out (..., D), lse (...) in lse's dtype. A row no part attends gives 0 and -inf
+    (gradients 0). Sinks join after the merge, once (:func:`add_sink`).
+
+    >>> out, lse = combine_partials(torch.tensor([[[1.0]], [[3.0]]]), torch.tensor([[0.0], [0.0]]))
+    >>> out.item(), round(lse.item(), 4)              # two equal halves: the mean, log 2
+    (2.0, 0.6931)
+    """
+    top = lse.amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp(lse - top)                                                  # (P, ...)
+    total = weight.sum(0)
+    seen = total > 0
+    safe = torch.where(seen, total, torch.ones_like(total))
+    combined = (weight[..., None] * out).sum(0) / safe[..., None]
+    return combined, torch.where(seen, top + torch.log(safe), torch.full_like(top, -torch.inf))
+
+
 def modified_scores(scores: torch.Tensor, softcap: float, bias: torch.Tensor | None) -> torch.Tensor:
     """Scores ``scale * q . k`` with the in-kernel modifiers applied in their order: softcap, then the bias.
 
