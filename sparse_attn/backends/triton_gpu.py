@@ -60,12 +60,17 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import BlockLayout, KernelIndex
+from ..score_mods import NO_MODS, ScoreMods
 from . import work_split
 
 BLOCK_SIZE = 64
 MAX_HEAD_DIM = 128
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores in log2 units for exp2; constexpr, so kernels read it
+_TANH_NEAR = tl.constexpr(0.25)            # below: tanh's odd polynomial; above: 1 - 2 / (exp(2x) + 1)
+_TANH_C3 = tl.constexpr(-0.3333326)        # tanh(x) = x + x^3 (C3 + x^2 (C5 + x^2 C7)) on |x| < 0.25,
+_TANH_C5 = tl.constexpr(0.13325404)        # fitted to float64 tanh: 6e-8 relative in float32
+_TANH_C7 = tl.constexpr(-0.05158631)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,22 +106,71 @@ def _load_mask(masks, tile_id, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh(x) in float32 from exp2 (tl.math has no tanh on every Triton version): within 6e-7 relative of the
+    exact value, exactly +-1 for large |x|, NaN for NaN. Near 0, where 1 - 2 / (exp(2x) + 1) loses digits to
+    cancellation, an odd polynomial."""
+    far = 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)           # exp2 -> inf or 0 for large |x|: +-1
+    x2 = x * x
+    near = x + x * x2 * (_TANH_C3 + x2 * (_TANH_C5 + x2 * _TANH_C7))
+    return tl.where(tl.abs(x) < _TANH_NEAR, near, far)
+
+
+@triton.jit
+def _distance(q_first, k_first, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """|i' - j| in a tile whose queries sit at positions q_first + arange(BLOCK) and keys at k_first +
+    arange(BLOCK): (queries, keys), or (keys, queries) if TRANSPOSED; float32, exact below 2**24."""
+    offs = tl.arange(0, BLOCK).to(tl.float32)
+    shifted = (q_first - k_first).to(tl.float32) + offs                  # queries relative to the first key
+    if TRANSPOSED:
+        d = offs[:, None] - shifted[None, :]
+    else:
+        d = shifted[:, None] - offs[None, :]
+    return tl.abs(d)
+
+
+@triton.jit
+def _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, k_first, BLOCK: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Dot products ``s`` (unscaled) -> the modified scores in log2 units, and tanh(scale * s / softcap) (whose
+    1 - tanh^2 is the softcap's derivative; ``s`` itself without softcap):
+    ``log2(e) * (softcap * tanh(scale * s / softcap) - slope * |i' - j|)``; cap_in_scale = scale / softcap,
+    cap_out_scale = softcap * log2(e), slope2 = slope * log2(e)."""
+    if HAS_SOFTCAP:
+        th = _tanh(s * cap_in_scale)
+        t = th * cap_out_scale
+    else:
+        th = s
+        t = s * qk_scale
+    if HAS_ALIBI:
+        t = t - slope2 * _distance(q_first, k_first, BLOCK, TRANSPOSED)
+    return t, th
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd, n_k,
-               tile, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               tile, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, dims, HEAD_DIM: tl.constexpr,
+               BLOCK: tl.constexpr, EVEN_K: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """One online-softmax step of a query block over key block ``col``; ``tile`` masks if MASKED."""
     keys = col * BLOCK + tl.arange(0, BLOCK)
     k = _load_tile(k_base, keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                             # (BLOCK_M, BLOCK_N) unscaled
+    if HAS_SOFTCAP or HAS_ALIBI:  # the modified scores, in log2 units: no scale left to fold into exp2
+        s, _ = _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, col * BLOCK, BLOCK,
+                                HAS_SOFTCAP, HAS_ALIBI, False)
+        unit = 1.0
+    else:         # the "FFMA softmax": the max on unscaled scores, the scale folded into exp2's argument
+        unit = qk_scale
     if MASKED:
         s = tl.where(tile, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)                                   # (BLOCK_M,) log2 units
+    m_new = tl.maximum(m_i, tl.max(s, 1) * unit)                                       # (BLOCK_M,) log2 units
     if MASKED:  # a row with nothing allowed yet keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
-    p = tl.exp2(s * qk_scale - m_shift[:, None])                                       # one FFMA a score
+    p = tl.exp2(s * unit - m_shift[:, None])                                           # one FFMA a score
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_base, keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM, EVEN_K)   # (BLOCK_N, BLOCK_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -149,18 +203,31 @@ def _piece(FullPtr, PartPtr, ptr, start, end):
 
 
 @triton.jit
+def _slope2(Slopes, b, h, stride_sb, HAS_ALIBI: tl.constexpr):
+    """ALiBi's slope of example ``b``, head ``h`` in log2 units (0 without ALiBi): Slopes is (B or 1, Hq)."""
+    if HAS_ALIBI:
+        slope2 = tl.load(Slopes + b * stride_sb + h) * _LOG2E
+    else:
+        slope2 = 0.0
+    return slope2
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, Out, Lse, PieceOut, PieceLse, Items,
-                FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
+                FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks, Slopes,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ob, stride_oh, stride_on, stride_od,
-                stride_pb, stride_ph,
-                qk_scale, n_q, n_k, heads, groups, fanout, head_fanout,
+                stride_pb, stride_ph, stride_sb,
+                qk_scale, cap_in_scale, cap_out_scale, n_q, n_k, heads, groups, fanout, head_fanout,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     row, start, end, slot, b, h, f = _work_item(Items, fanout, head_fanout)
     kvh = h // groups
+    slope2 = _slope2(Slopes, b, h, stride_sb, HAS_ALIBI)
+    q_first = row * BLOCK + n_k - n_q                                     # i' of the block's first query
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
     q_base = _matrix(Q, b, h, stride_qb, stride_qh)
@@ -179,14 +246,15 @@ def _fwd_kernel(Q, K, V, Out, Lse, PieceOut, PieceLse, Items,
         if not EVEN_K:
             in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn,
-                                   stride_vd, n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K,
-                                   not EVEN_K, PRECISION)
+                                   stride_vd, n_k, in_keys, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first,
+                                   dims, HEAD_DIM, BLOCK, EVEN_K, not EVEN_K, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
     # Partial blocks: the exact token tile.
     for i in range(part_lo, part_hi):
         col = tl.load(PartIdx + i)
         tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stride_vn,
-                                   stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
+                                   stride_vd, n_k, tile, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first,
+                                   dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
 
     empty = l_i == 0.0                                                    # rows with no allowed key (so far)
     l_i = tl.where(empty, 1.0, l_i)
@@ -288,36 +356,45 @@ def _bwd_preprocess_kernel(Out, DOut, Lse, DLse, Delta, Lse2,
 
 @triton.jit
 def _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2, Delta, row, stride_qn, stride_qd, stride_dn, stride_dd,
-                  n_q, tile_t, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_Q: tl.constexpr,
-                  MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                  n_q, tile_t, qk_scale, cap_in_scale, cap_out_scale, slope2, k_first, shift, dims,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_Q: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """dK/dV contributions of query block ``row`` to one key block (everything transposed: keys x queries)."""
     queries = row * BLOCK + tl.arange(0, BLOCK)
     q = _load_tile(q_base, queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM, EVEN_Q)      # (BLOCK_M, BLOCK_D)
     do = _load_tile(do_base, queries, stride_dn, stride_dd, n_q, dims, HEAD_DIM, EVEN_Q)    # (BLOCK_M, BLOCK_D)
     lse2 = tl.load(Lse2 + queries, mask=queries < n_q, other=float("inf"))                 # rows past n_q: P = 0
     delta = tl.load(Delta + queries, mask=queries < n_q, other=0.0)
-    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale                    # (BLOCK_N, BLOCK_M)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                                # (BLOCK_N, BLOCK_M)
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s_t, tanh_t = _modified_scores(s_t, qk_scale, cap_in_scale, cap_out_scale, slope2, row * BLOCK + shift,
+                                       k_first, BLOCK, HAS_SOFTCAP, HAS_ALIBI, True)
+    else:
+        s_t = s_t * qk_scale
     p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:
         p_t = tl.where(tile_t, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                          # (BLOCK_N, BLOCK_D)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                              # (BLOCK_N, BLOCK_M)
     ds_t = p_t * (dp_t - delta[None, :])
+    if HAS_SOFTCAP:                                                                         # d softcap / d score
+        ds_t = ds_t * (1.0 - tanh_t * tanh_t)
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)                           # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV, PieceDK, PieceDV, Items,
-                   FullTPtr, FullTIdx, PartTPtr, PartTIdx, PartTMask, Masks,
+                   FullTPtr, FullTIdx, PartTPtr, PartTIdx, PartTMask, Masks, Slopes,
                    stride_qb, stride_qh, stride_qn, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_db, stride_dh, stride_dn, stride_dd,
-                   stride_pb, stride_ph,
-                   scale, qk_scale, n_q, n_k, heads, kv_heads, groups, fanout, head_fanout,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                   EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                   stride_pb, stride_ph, stride_sb,
+                   scale, qk_scale, cap_in_scale, cap_out_scale, n_q, n_k, heads, kv_heads, groups, fanout,
+                   head_fanout, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                   EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     col, start, end, slot, b, kvh, f = _work_item(Items, fanout, head_fanout)
     keys = col * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
@@ -332,6 +409,7 @@ def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV, PieceDK, PieceDV, Items,
     before = 0
     for g in range(groups):  # every query head that reads this kv head, in a fixed order
         h = kvh * groups + g
+        slope2 = _slope2(Slopes, b, h, stride_sb, HAS_ALIBI)
         q_base = _matrix(Q, b, h, stride_qb, stride_qh)
         do_base = _matrix(DOut, b, h, stride_db, stride_dh)
         stats = (b * heads + h).to(tl.int64) * n_q
@@ -340,13 +418,15 @@ def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV, PieceDK, PieceDV, Items,
         before += total
         for i in range(full_lo, full_hi):
             dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(FullTIdx + i),
-                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, no_mask, qk_scale, dims,
-                                   HEAD_DIM, BLOCK, EVEN_Q, False, PRECISION)
+                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, no_mask, qk_scale, cap_in_scale,
+                                   cap_out_scale, slope2, col * BLOCK, n_k - n_q, dims, HEAD_DIM, BLOCK, EVEN_Q,
+                                   False, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
         for i in range(part_lo, part_hi):
             tile_t = _load_mask(Masks, tl.load(PartTMask + i), BLOCK, True)                  # (BLOCK_N, BLOCK_M)
             dk, dv = _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2 + stats, Delta + stats, tl.load(PartTIdx + i),
-                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, tile_t, qk_scale, dims,
-                                   HEAD_DIM, BLOCK, EVEN_Q, True, PRECISION)
+                                   stride_qn, stride_qd, stride_dn, stride_dd, n_q, tile_t, qk_scale, cap_in_scale,
+                                   cap_out_scale, slope2, col * BLOCK, n_k - n_q, dims, HEAD_DIM, BLOCK, EVEN_Q,
+                                   True, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
     if slot < 0:  # the whole column; dK/dV are contiguous (B, Hkv, Nk, D)
         out = (b * kv_heads + kvh).to(tl.int64) * n_k * HEAD_DIM + keys[:, None] * HEAD_DIM + dims[None, :]
         inside = (keys[:, None] < n_k) & (dims[None, :] < HEAD_DIM)
@@ -360,34 +440,45 @@ def _bwd_kv_kernel(Q, K, V, DOut, Lse2, Delta, DK, DV, PieceDK, PieceDV, Items,
 
 @triton.jit
 def _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd, n_k,
-                 tile, qk_scale, dims, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                 MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                 tile, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, dims, HEAD_DIM: tl.constexpr,
+                 BLOCK: tl.constexpr, EVEN_K: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """dQ contribution of key block ``col`` to one query block."""
     keys = col * BLOCK + tl.arange(0, BLOCK)
     k = _load_tile(k_base, keys, stride_kn, stride_kd, n_k, dims, HEAD_DIM, EVEN_K)         # (BLOCK_N, BLOCK_D)
     v = _load_tile(v_base, keys, stride_vn, stride_vd, n_k, dims, HEAD_DIM, EVEN_K)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                        # (BLOCK_M, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                   # (BLOCK_M, BLOCK_N)
+    if HAS_SOFTCAP or HAS_ALIBI:
+        s, tanh_s = _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, col * BLOCK, BLOCK,
+                                     HAS_SOFTCAP, HAS_ALIBI, False)
+    else:
+        s = s * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASKED:
         p = tl.where(tile, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)                                 # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:                                                                         # d softcap / d score
+        ds = ds * (1.0 - tanh_s * tanh_s)
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)                       # (BLOCK_M, BLOCK_D)
 
 
 @triton.jit
 def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ, PieceDQ, Items,
-                  FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks,
+                  FullPtr, FullIdx, PartPtr, PartIdx, PartMask, Masks, Slopes,
                   stride_qb, stride_qh, stride_qn, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   stride_db, stride_dh, stride_dn, stride_dd,
-                  stride_pb, stride_ph,
-                  scale, qk_scale, n_q, n_k, heads, groups, fanout, head_fanout,
+                  stride_pb, stride_ph, stride_sb,
+                  scale, qk_scale, cap_in_scale, cap_out_scale, n_q, n_k, heads, groups, fanout, head_fanout,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                  EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     row, start, end, slot, b, h, f = _work_item(Items, fanout, head_fanout)
     kvh = h // groups
+    slope2 = _slope2(Slopes, b, h, stride_sb, HAS_ALIBI)
+    q_first = row * BLOCK + n_k - n_q                                     # i' of the block's first query
     queries = row * BLOCK + tl.arange(0, BLOCK)
     dims = tl.arange(0, BLOCK_D)
     q = _load_tile(_matrix(Q, b, h, stride_qb, stride_qh), queries, stride_qn, stride_qd, n_q, dims, HEAD_DIM,
@@ -407,11 +498,13 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ, PieceDQ, Items,
         if not EVEN_K:
             in_keys = (col * BLOCK + tl.arange(0, BLOCK) < n_k)[None, :]
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_kd, stride_vn, stride_vd,
-                          n_k, in_keys, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, not EVEN_K, PRECISION)
+                          n_k, in_keys, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, dims, HEAD_DIM, BLOCK,
+                          EVEN_K, not EVEN_K, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
     for i in range(part_lo, part_hi):
         tile = _load_mask(Masks, tl.load(PartMask + i), BLOCK, False)
         dq = _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, tl.load(PartIdx + i), stride_kn, stride_kd,
-                          stride_vn, stride_vd, n_k, tile, qk_scale, dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION)
+                          stride_vn, stride_vd, n_k, tile, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first,
+                          dims, HEAD_DIM, BLOCK, EVEN_K, True, PRECISION, HAS_SOFTCAP, HAS_ALIBI)
     if slot < 0:  # the whole row; dQ is contiguous (B, Hq, Nq, D)
         out = (b * heads + h).to(tl.int64) * n_q * HEAD_DIM + queries[:, None] * HEAD_DIM + dims[None, :]
         tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty),
@@ -529,14 +622,30 @@ def _shared_memory(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 1 << 30)
 
 
-def kernel_constants(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, block: int) -> dict:
-    """Compile-time constants of the attention kernels for (B, H, n_q / n_k, head_dim) inputs of ``dtype``."""
+def kernel_constants(head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, block: int,
+                     mods: ScoreMods = NO_MODS) -> dict:
+    """Compile-time constants of the attention kernels for (B, H, n_q / n_k, head_dim) inputs of ``dtype`` with
+    score modifiers ``mods`` (without them the kernels compile as if the modifiers did not exist)."""
     return dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK=block,
-                EVEN_Q=n_q % block == 0, EVEN_K=n_k % block == 0, PRECISION=dot_precision(dtype))
+                EVEN_Q=n_q % block == 0, EVEN_K=n_k % block == 0, PRECISION=dot_precision(dtype),
+                HAS_SOFTCAP=mods.softcap > 0, HAS_ALIBI=mods.alibi_slopes is not None)
 
 
-def _meta(q: torch.Tensor, k: torch.Tensor, block: int) -> dict:
-    return kernel_constants(q.shape[-1], q.dtype, q.shape[2], k.shape[2], block)
+def _meta(q: torch.Tensor, k: torch.Tensor, block: int, mods: ScoreMods) -> dict:
+    return kernel_constants(q.shape[-1], q.dtype, q.shape[2], k.shape[2], block, mods)
+
+
+def _mod_args(mods: ScoreMods, scale: float, fallback: torch.Tensor) -> tuple:
+    """The kernels' modifier arguments: Slopes (``fallback``, never read, without ALiBi), its example stride
+    (0: one row of slopes for every example), cap_in_scale = scale / softcap, cap_out_scale = softcap * log2(e)."""
+    slopes = mods.alibi_slopes
+    if mods.softcap > 0:
+        cap_in_scale, cap_out_scale = scale / mods.softcap, mods.softcap * _LOG2E.value
+    else:
+        cap_in_scale, cap_out_scale = 0.0, 0.0
+    if slopes is None:
+        return fallback, 0, cap_in_scale, cap_out_scale
+    return slopes, (slopes.shape[1] if slopes.shape[0] > 1 else 0), cap_in_scale, cap_out_scale
 
 
 PREPROCESS_LAUNCH = dict(num_warps=4, num_stages=1)   # one pass over a (BLOCK, D) tile: nothing to pipeline
@@ -598,20 +707,21 @@ def _grid(plan: _Plan, rows: torch.Tensor) -> tuple[int]:
     return (rows.shape[0] * plan.fanout,)
 
 
-def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float):
+def _forward(q, k, v, index: list[torch.Tensor], block: int, scale: float, mods: ScoreMods):
     full_ptr, full_idx, part_ptr, part_idx, part_mask, masks = index[:6]
     batch, heads, n_q, _ = q.shape
-    meta = _meta(q, k, block)
+    meta = _meta(q, k, block, mods)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)                  # (B, Hq, Nq, D)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)   # (B, Hq, Nq)
     plan = _plan((full_ptr, part_ptr), batch, heads, 1, columns=False)
     piece_out, = _scratch(plan, block, meta["BLOCK_D"], q.device)               # (slots, fanout, BLOCK, BLOCK_D)
     piece_lse, = _scratch(plan, block, 1, q.device)
+    slopes, stride_sb, cap_in_scale, cap_out_scale = _mod_args(mods, scale, lse)
     _fwd_kernel[_grid(plan, plan.items)](
         q, k, v, out, lse, piece_out, piece_lse, plan.items, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
-        *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr),
-        scale * _LOG2E.value, n_q, k.shape[2], heads, heads // k.shape[1], plan.fanout, plan.head_fanout,
-        **launch_for(q, block, backward=False), **meta)
+        slopes, *_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(out), *_layout_strides(full_ptr), stride_sb,
+        scale * _LOG2E.value, cap_in_scale, cap_out_scale, n_q, k.shape[2], heads, heads // k.shape[1], plan.fanout,
+        plan.head_fanout, **launch_for(q, block, backward=False), **meta)
     if plan.n_slots:
         _merge_kernel[_grid(plan, plan.splits)](piece_out, piece_lse, out, lse, plan.splits, *_strides(out), n_q,
                                                 heads, plan.fanout, plan.head_fanout, HEAD_DIM=meta["HEAD_DIM"],
@@ -627,12 +737,12 @@ def _sum_pieces(plan: _Plan, pieces: torch.Tensor, out: torch.Tensor, scale: flo
                                               BLOCK_D=meta["BLOCK_D"], BLOCK=block, **MERGE_LAUNCH)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: int, scale: float):
+def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: int, scale: float, mods: ScoreMods):
     full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, \
         part_t_mask = index
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
-    meta, launch = _meta(q, k, block), launch_for(q, block, backward=True)
+    meta, launch = _meta(q, k, block, mods), launch_for(q, block, backward=True)
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq) fp32
     lse2 = torch.empty_like(lse)
     _bwd_preprocess_kernel[(triton.cdiv(n_q, block), batch * heads)](
@@ -644,21 +754,22 @@ def _backward(dout, q, k, v, out, lse, dlse, index: list[torch.Tensor], block: i
     dk = torch.empty((batch, *k.shape[1:]), dtype=torch.float32 if shared_kv else k.dtype, device=k.device)
     dv = torch.empty_like(dk)                                                   # (B, Hkv, Nk, D)
     common = (*_strides(q), *_kv_strides(k), *_kv_strides(v), *_strides(dout))
+    slopes, stride_sb, cap_in_scale, cap_out_scale = _mod_args(mods, scale, lse)
     columns = _plan((full_t_ptr, part_t_ptr), batch, kv_heads, heads // kv_heads, columns=True)
     piece_dk, piece_dv = _scratch(columns, block, meta["BLOCK_D"], q.device, count=2)
     _bwd_kv_kernel[_grid(columns, columns.items)](
         q, k, v, dout, lse2, delta, dk, dv, piece_dk, piece_dv, columns.items,
-        full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, *common, *_layout_strides(full_t_ptr),
-        scale, scale * _LOG2E.value, n_q, n_k, heads, kv_heads, heads // kv_heads, columns.fanout,
-        columns.head_fanout, **launch, **meta)
+        full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, slopes, *common,
+        *_layout_strides(full_t_ptr), stride_sb, scale, scale * _LOG2E.value, cap_in_scale, cap_out_scale, n_q, n_k,
+        heads, kv_heads, heads // kv_heads, columns.fanout, columns.head_fanout, **launch, **meta)
     _sum_pieces(columns, piece_dk, dk, scale, block, meta)
     _sum_pieces(columns, piece_dv, dv, 1.0, block, meta)
     rows = _plan((full_ptr, part_ptr), batch, heads, 1, columns=False)
     piece_dq, = _scratch(rows, block, meta["BLOCK_D"], q.device)
     _bwd_q_kernel[_grid(rows, rows.items)](
         q, k, v, dout, lse2, delta, dq, piece_dq, rows.items, full_ptr, full_idx, part_ptr, part_idx, part_mask, masks,
-        *common, *_layout_strides(full_ptr), scale, scale * _LOG2E.value, n_q, n_k, heads, heads // kv_heads,
-        rows.fanout, rows.head_fanout, **launch, **meta)
+        slopes, *common, *_layout_strides(full_ptr), stride_sb, scale, scale * _LOG2E.value, cap_in_scale,
+        cap_out_scale, n_q, n_k, heads, heads // kv_heads, rows.fanout, rows.head_fanout, **launch, **meta)
     _sum_pieces(rows, piece_dq, dq, scale, block, meta)
     if shared_kv:
         dk, dv = (d.sum(0, keepdim=True).to(k.dtype) for d in (dk, dv))         # (1, Hkv, Nk, D)
@@ -684,26 +795,28 @@ def _on_device(q: torch.Tensor, block: int):
 
 @torch.library.custom_op("sparse_attn::triton_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], block: int,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, softcap: float, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     with _on_device(q, block):
-        return _forward(q, k, v, _with_tile_bytes(index, block), block, scale)
+        return _forward(q, k, v, _with_tile_bytes(index, block), block, scale, ScoreMods(softcap, alibi_slopes))
 
 
 @_forward_op.register_fake
-def _(q, k, v, index, block, scale):
+def _(q, k, v, index, block, scale, softcap, alibi_slopes):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("sparse_attn::triton_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, dlse: torch.Tensor | None, index: list[torch.Tensor], block: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, softcap: float,
+                 alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with _on_device(q, block):
-        return _backward(dout, q, k, v, out, lse, dlse, _with_tile_bytes(index, block), block, scale)
+        return _backward(dout, q, k, v, out, lse, dlse, _with_tile_bytes(index, block), block, scale,
+                         ScoreMods(softcap, alibi_slopes))
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, index, block, scale):
+def _(dout, q, k, v, out, lse, dlse, index, block, scale, softcap, alibi_slopes):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -715,15 +828,15 @@ def _with_tile_bytes(index: list[torch.Tensor], block: int) -> list[torch.Tensor
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, index, block, scale = inputs
-    ctx.save_for_backward(q, k, v, *output, *index)
-    ctx.block, ctx.scale = block, scale
+    q, k, v, index, block, scale, softcap, alibi_slopes = inputs
+    ctx.save_for_backward(q, k, v, *output, alibi_slopes, *index)
+    ctx.block, ctx.scale, ctx.softcap = block, scale, softcap
 
 
 def _backward_autograd(ctx, dout, dlse):
-    q, k, v, out, lse, *index = ctx.saved_tensors
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, index, ctx.block, ctx.scale)
-    return dq, dk, dv, [None] * len(index), None, None
+    q, k, v, out, lse, alibi_slopes, *index = ctx.saved_tensors
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, index, ctx.block, ctx.scale, ctx.softcap, alibi_slopes)
+    return dq, dk, dv, [None] * len(index), None, None, None, None   # block, scale, softcap, slopes: no gradient
 
 
 _forward_op.register_autograd(_backward_autograd, setup_context=_setup_context)
@@ -780,9 +893,24 @@ def check(q, k, v, layout: BlockLayout) -> None:
         raise ValueError(f"the layout is on {layout.device} but q is on {q.device}; use layout.to(q.device)")
 
 
-def attention(q, k, v, layout: BlockLayout, scale: float):
-    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v."""
-    return _forward_op(q, k, v, list(layout.index), layout.block_size, scale)
+def attention(q, k, v, layout: BlockLayout, scale: float, mods: ScoreMods = NO_MODS):
+    """out (B, Hq, Nq, D) in q's dtype and lse (B, Hq, Nq) float32; differentiable in q, k, v. ``mods``: softcap,
+    then ALiBi, on every allowed score, in the kernels (slopes as ``score_mods.check_mods`` gives them)."""
+    _check_slopes(mods.alibi_slopes, q)
+    return _forward_op(q, k, v, list(layout.index), layout.block_size, scale, mods.softcap, mods.alibi_slopes)
+
+
+def _check_slopes(slopes: torch.Tensor | None, q: torch.Tensor) -> None:
+    """The kernels read (B or 1, Hq) contiguous float32 slopes on q's device: anything else is refused, not
+    misread."""
+    if slopes is None:
+        return
+    batch, heads = q.shape[:2]
+    if (slopes.dtype != torch.float32 or slopes.device != q.device or slopes.shape not in ((1, heads), (batch, heads))
+            or not slopes.is_contiguous()):
+        raise ValueError(f"backend='triton' reads ALiBi slopes as a contiguous float32 (1 or B, Hq) = (1 or {batch}, "
+                         f"{heads}) tensor on {q.device}, got {slopes.dtype} {tuple(slopes.shape)} on {slopes.device}; "
+                         f"build the modifiers with sparse_attn.score_mods.check_mods(q, softcap, alibi_slopes)")
 
 
 def _block_tiles(masks: torch.Tensor, bs: int) -> torch.Tensor:
