@@ -32,17 +32,18 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .api import check_inputs, resolve_layout, resolve_scale
+from .api import check_inputs, resolve_layout, resolve_scale, run_backend
 from .checks import check_bool
 from .layout import BlockLayout
 from .pattern import Pattern
-from .score_mods import combine_partials
-from .shard_plan import RankProgram, ShardPlan
+from .score_mods import ScoreMods, add_sink, check_mods, combine_partials
+from .shard_plan import AlibiCall, RankProgram, ShardPlan
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern | BlockLayout, *,
                      group=None, causal: bool = False, key_padding_mask=None, global_mask=None, documents=None,
-                     scale: float | None = None, backend: str = "auto", return_lse: bool = False):
+                     scale: float | None = None, softcap: float | None = None, alibi_slopes=None, sinks=None,
+                     backend: str = "auto", return_lse: bool = False):
     """This rank's rows of ``sparse_attn.sparse_attention`` over the sequence split across the ranks of ``group``.
 
     Args:
@@ -53,6 +54,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         key_padding_mask, global_mask, documents: as in ``sparse_attn.sparse_attention``, for the **whole**
             sequence, (B, N), the same on every rank (they decide which keys each rank needs; they are small).
         causal, scale, backend, return_lse: as in ``sparse_attn.sparse_attention``.
+        softcap, alibi_slopes, sinks: as in ``sparse_attn.sparse_attention``, the same on every rank. ALiBi's
+            distances are those of the whole sequence: each backend call runs keys and rows at consecutive
+            positions (one call per run of consecutive key blocks this rank holds, one per shipped segment,
+            merged by log-sum-exp). The sink joins each row's denominator once, after the merge of the ranks'
+            partial results.
 
     Returns:
         out (B, Hq, n_rank, D), or ``(out, lse)`` with ``return_lse=True``.
@@ -70,7 +76,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
                            "in a single process)")
     try:
         call, failure = _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documents, scale,
-                                    backend, return_lse), None
+                                    backend, return_lse, (softcap, alibi_slopes, sinks)), None
     except Exception as error:                      # shared with the other ranks below, then raised here
         call, failure = None, error
     table = _agree(call, failure, group, q)
@@ -81,15 +87,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     layout = resolve_layout(pattern, call.batch, call.q_heads, n, n, call.module.BLOCK_SIZE, call.causal,
                             key_padding_mask, global_mask, documents)
     program = _program(layout, shard_sizes, dist.get_rank(group), call.batch, k.shape[0], k.shape[1],
-                       q.element_size(), q.device)
+                       q.element_size(), q.device, call.mods.alibi_slopes is not None)
     call.module.check(q, k, v, program.local_layout)
-    out, lse = _attend(program, q, k, v, call.module, call.scale, group, len(shard_sizes))
+    out, lse = _attend(program, q, k, v, call.module, call.scale, call.mods, group, len(shard_sizes))
+    if call.sinks is not None:
+        out, lse = add_sink(out, lse, call.sinks)
     return (out, lse) if call.return_lse else out
 
 
 # the arguments every rank must share, each compared by its digest (the shard of q, k, v is each rank's own)
-AGREED = ("pattern", "causal", "key_padding_mask", "global_mask", "documents", "scale", "backend",
-          "shapes (batch, heads, head_dim)", "dtype", "requires_grad")
+AGREED = ("pattern", "causal", "key_padding_mask", "global_mask", "documents", "scale", "softcap", "alibi_slopes",
+          "sinks", "backend", "shapes (batch, heads, head_dim)", "dtype", "requires_grad")
 
 
 class _Call(NamedTuple):
@@ -100,6 +108,8 @@ class _Call(NamedTuple):
     n_rank: int
     causal: bool
     scale: float
+    mods: ScoreMods
+    sinks: torch.Tensor | None
     module: ModuleType
     return_lse: bool
     masks: dict[str, np.ndarray | None]
@@ -107,7 +117,7 @@ class _Call(NamedTuple):
 
 
 def _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documents, scale, backend,
-                return_lse) -> _Call:
+                return_lse, modifiers) -> _Call:
     """Every check this rank can make alone (it raises what single-process ``sparse_attention`` raises)."""
     batch, q_heads, n_rank, head_dim = check_inputs(q, k, v)
     if k.shape[2] != n_rank:
@@ -117,6 +127,7 @@ def _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documen
     name = backends.choose(backend, q.device)
     module = backends.load(name)
     scale = resolve_scale(scale, head_dim)
+    mods, sinks = check_mods(q, *modifiers)
     if isinstance(pattern, Pattern):
         pattern.check_heads(q_heads)
     elif not isinstance(pattern, BlockLayout):
@@ -124,9 +135,9 @@ def _check_call(q, k, v, pattern, causal, key_padding_mask, global_mask, documen
     masks = {"key_padding_mask": _call_data(key_padding_mask), "global_mask": _call_data(global_mask),
              "documents": _call_data(documents)}
     recorded = tuple(torch.is_grad_enabled() and t.requires_grad for t in (q, k, v))
-    agreed = (pattern, causal, *masks.values(), scale, (name, q.device.type), (batch, q_heads, head_dim, *k.shape[:2]),
-              str(q.dtype), recorded)
-    return _Call(batch, q_heads, n_rank, causal, scale, module, return_lse, masks,
+    agreed = (pattern, causal, *masks.values(), scale, mods.softcap, mods.alibi_slopes, sinks, (name, q.device.type),
+              (batch, q_heads, head_dim, *k.shape[:2]), str(q.dtype), recorded)
+    return _Call(batch, q_heads, n_rank, causal, scale, mods, sinks, module, return_lse, masks,
                  tuple(content_digest(value) for value in agreed))
 
 
@@ -193,8 +204,8 @@ def _check_same(table: list[list[int]]) -> None:
     if found:
         raise ValueError(f"the ranks called sparse_attention with different arguments: {'; '.join(found)} "
                          f"differ from rank 0's; every rank must pass the same pattern, masks, documents, causal, "
-                         f"scale, backend, batch, heads, head_dim, dtype and requires_grad of q, k, v, only its "
-                         f"shard of the sequence is its own")
+                         f"scale, softcap, alibi_slopes, sinks, backend, batch, heads, head_dim, dtype and "
+                         f"requires_grad of q, k, v, only its shard of the sequence is its own")
 
 
 def _gather(row: torch.Tensor, group) -> torch.Tensor:
@@ -283,8 +294,8 @@ def _feed_bytes(digest, header: bytes, content: bytes) -> None:
     digest.update(content)
 
 
-def _attend(program: RankProgram, q, k, v, module, scale: float, group, world: int):
-    """out (B, Hq, n_rank, D) and lse (B, Hq, n_rank) of this rank's rows (differentiable)."""
+def _attend(program: RankProgram, q, k, v, module, scale: float, mods: ScoreMods, group, world: int):
+    """out (B, Hq, n_rank, D) and lse (B, Hq, n_rank) of this rank's rows (differentiable), without sinks."""
     kv_batch, kv_heads, n_rank, head_dim = k.shape
     k_rows, v_rows = k.reshape(-1, head_dim), v.reshape(-1, head_dim)           # (Bk * Hkv * n_rank, D)
     sent = torch.cat([k_rows.index_select(0, program.kv_send_index),
@@ -297,12 +308,12 @@ def _attend(program: RankProgram, q, k, v, module, scale: float, group, world: i
     n_rows = program.local_layout.n_q
     rows_after = n_rows - program.rows_before - n_rank
     padded = torch.nn.functional.pad(q, (0, 0, program.rows_before, rows_after))   # (B, Hq, n_rows, D)
-    out, lse = module.attention(padded, keys, values, program.local_layout, scale)
+    out, lse = _run(module, padded, keys, values, program.local_layout, program.local_calls, scale, mods)
     out = out[:, :, program.rows_before:program.rows_before + n_rank]           # (B, Hq, n_rank, D)
     lse = lse[:, :, program.rows_before:program.rows_before + n_rank]           # (B, Hq, n_rank)
     if program.lse_layout is None:
         return out, lse
-    shipped_out, shipped_lse = _shipped_rows(program, q, keys, values, module, scale, group, world)
+    shipped_out, shipped_lse = _shipped_rows(program, q, keys, values, module, scale, mods, group, world)
     return (out.index_copy(2, program.lse_rows, shipped_out.to(out.dtype)),
             lse.index_copy(2, program.lse_rows, shipped_lse.to(lse.dtype)))
 
@@ -316,7 +327,7 @@ def _compact(program: RankProgram, own: torch.Tensor, fetched: torch.Tensor, sha
     return buffer.view(shape)
 
 
-def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, group, world: int):
+def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, mods: ScoreMods, group, world: int):
     """This rank's shipped rows: sent to every rank, attended there over that rank's keys, the partial results
     sent back and combined by log-sum-exp. Returns out (B, Hq, n_ship, D) and lse (B, Hq, n_ship)."""
     batch, q_heads, _, head_dim = q.shape
@@ -326,13 +337,40 @@ def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, g
     n_q = program.lse_layout.n_q
     shipped = received.new_zeros(n_q, received.shape[1]).index_copy(0, program.lse_slots, received)
     shipped = shipped.view(n_q, batch, q_heads, head_dim).permute(1, 2, 0, 3)          # (B, Hq, n_q, D)
-    part_out, part_lse = module.attention(shipped.contiguous(), keys, values, program.lse_layout, scale)
+    part_out, part_lse = _run(module, shipped.contiguous(), keys, values, program.lse_layout, program.lse_calls,
+                              scale, mods)
     partial = torch.cat([part_out.to(part_lse.dtype), part_lse[..., None]], dim=-1)    # (B, Hq, n_q, D + 1)
     partial = partial.permute(2, 0, 1, 3).reshape(n_q, -1).index_select(0, program.lse_slots)  # (sent, B*Hq*(D+1))
     back = _Exchange.apply(partial, program.lse_recv_counts, [n_ship] * world, group)
     back = back.view(world, n_ship, batch, q_heads, head_dim + 1)                  # (W, n_ship, B, Hq, D + 1)
     out, lse = combine_partials(back[..., :head_dim], back[..., head_dim])
     return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
+
+
+def _run(module, q, keys, values, layout: BlockLayout, calls: tuple[AlibiCall, ...], scale: float, mods: ScoreMods):
+    """The backend over ``layout``; with ALiBi over ``calls`` instead (rows and keys at consecutive positions),
+    the calls of the same rows merged by log-sum-exp, rows no call covers 0 with lse -inf."""
+    if mods.alibi_slopes is None:
+        return run_backend(module, q, keys, values, layout, scale, mods)
+    slopes = mods.alibi_slopes[:, :, None]                                             # (Bs, Hq, 1)
+    by_rows: dict[tuple[int, int], list] = {}
+    for c in calls:
+        rows = torch.nn.functional.pad(q[:, :, c.row0:c.row1], (0, 0, 0, c.pad_rows))
+        run_k, run_v = (torch.nn.functional.pad(t[:, :, c.key0:c.key1], (0, 0, 0, c.pad_keys)) for t in (keys, values))
+        out, lse = run_backend(module, rows, run_k, run_v, c.layout, scale, mods)
+        n = c.row1 - c.row0
+        by_rows.setdefault((c.row0, c.row1), []).append((out[:, :, :n], lse[:, :, :n] - slopes * c.shift))
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses, done = [], [], 0
+    for (row0, row1), parts in sorted(by_rows.items()) + [((q.shape[2], q.shape[2]), None)]:
+        outs.append(q.new_zeros(*q.shape[:2], row0 - done, q.shape[3]))               # rows no call covers
+        lses.append(torch.full((*q.shape[:2], row0 - done), -torch.inf, dtype=lse_dtype, device=q.device))
+        if parts is not None:
+            out, lse = combine_partials(*(torch.stack(column) for column in zip(*parts)))
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+        done = row1
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 class _Exchange(torch.autograd.Function):
@@ -359,10 +397,13 @@ def _all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
 
 @functools.lru_cache(maxsize=32)
 def _program(layout: BlockLayout, shard_sizes: tuple[int, ...], rank: int, q_batch: int, kv_batch: int,
-             kv_heads: int, itemsize: int, device: torch.device) -> RankProgram:
+             kv_heads: int, itemsize: int, device: torch.device, alibi: bool) -> RankProgram:
     """This rank's program, its tensors on ``device`` (cached: layouts of equal arguments are one object)."""
     plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch,
                            itemsize=itemsize)
-    program = plan.program(rank)
-    return program._replace(**{name: value.to(device) for name, value in program._asdict().items()
-                               if isinstance(value, (torch.Tensor, BlockLayout))})
+    program = plan.program(rank, alibi=alibi)
+    moved = {name: value.to(device) for name, value in program._asdict().items()
+             if isinstance(value, (torch.Tensor, BlockLayout))}
+    calls = {name: tuple(c._replace(layout=c.layout.to(device)) for c in getattr(program, name))
+             for name in ("local_calls", "lse_calls")}
+    return program._replace(**moved, **calls)

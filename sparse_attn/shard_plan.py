@@ -41,6 +41,7 @@ import torch
 from .blocks import ceil_div
 from .compiler import csr_index, unique_rows
 from .layout import BlockLayout
+from .score_mods import alibi_alignment
 
 
 class RankProgram(NamedTuple):
@@ -61,7 +62,11 @@ class RankProgram(NamedTuple):
       shipped-query tensor (``lse_layout.n_q`` rows), grouped by source; the partial results go back in
       the same order;
     - ``lse_layout``: the shipped-query tensor over this rank's own keys in the compact buffer, or None
-      when no rank ships.
+      when no rank ships;
+    - ``local_calls``, ``lse_calls``: with ALiBi (``program(rank, alibi=True)``), the backend calls that replace
+      ``local_layout`` (one per run of consecutive key blocks in the compact buffer) and ``lse_layout`` (one per
+      shipped segment), so that each call's keys and rows sit at consecutive positions (:class:`AlibiCall`);
+      empty without.
     """
 
     n_compact: int
@@ -76,6 +81,25 @@ class RankProgram(NamedTuple):
     lse_recv_counts: list[int]
     lse_slots: torch.Tensor
     lse_layout: BlockLayout | None
+    local_calls: tuple[AlibiCall, ...] = ()
+    lse_calls: tuple[AlibiCall, ...] = ()
+
+
+class AlibiCall(NamedTuple):
+    """One backend call of ALiBi attention: rows ``row0 .. row1 - 1`` of the kernel's queries over the compact key
+    slots ``key0 .. key1 - 1``, both at consecutive positions of the sequence, with ``pad_rows`` zero rows and
+    ``pad_keys`` zero keys appended (never attended) as :func:`~sparse_attn.score_mods.alibi_alignment` says:
+    the backend's distance plus ``shift`` is the tokens' distance, so its lse less ``slope * shift`` is the
+    true one. ``layout``: those rows and keys, padding included."""
+
+    row0: int
+    row1: int
+    key0: int
+    key1: int
+    pad_rows: int
+    pad_keys: int
+    shift: int
+    layout: BlockLayout
 
 
 class _Needs(NamedTuple):
@@ -190,16 +214,16 @@ class ShardPlan:
         return work * per_group
 
     # --- one rank's program ---------------------------------------------------------------------
-    def program(self, rank: int) -> RankProgram:
-        """What ``rank`` runs: its sends, receives, compact key buffer and kernel layouts."""
+    def program(self, rank: int, alibi: bool = False) -> RankProgram:
+        """What ``rank`` runs: its sends, receives, compact key buffer and kernel layouts (and with ``alibi``, the
+        calls that keep positions consecutive)."""
         seg, fetch, step = self._seg, self._fetch, self.step
         world, s0, s1 = len(self.shard_sizes), int(self.starts[rank]), int(self.starts[rank + 1])
         bk, hkv = self.kv_batch, self.kv_heads
-        n_blocks = ceil_div(self.layout.n_k, step)
         mine = fetch["rank"] == rank
         own_blocks = np.arange(s0 // step, (s1 - 1) // step + 1)
         compact = np.union1d(own_blocks, fetch["block"][mine])                             # sorted key blocks
-        n_compact = len(compact) * step - (n_blocks * step - self.layout.n_k if compact[-1] == n_blocks - 1 else 0)
+        n_compact = self._block_tokens(compact)
 
         def slot(token):                                           # position -> slot in the compact buffer
             return np.searchsorted(compact, token // step) * step + token % step
@@ -210,6 +234,7 @@ class ShardPlan:
         own_slots = ((np.arange(bk * hkv)[:, None] * n_compact) + slot(own)[None, :]).reshape(-1)
         rows_before = s0 - (s0 // step) * step
         local_layout = self._local_layout(rank, compact)
+        lse_layout = self._lse_layout(rank, compact) if self._shipped.any() else None
 
         ship = np.flatnonzero(self._shipped)        # segments are in rank order: grouped by owner, as sent
         none = [np.zeros(0, np.int64)]
@@ -229,7 +254,9 @@ class ShardPlan:
             lse_recv_counts=np.bincount(seg["rank"][ship], seg["hi"][ship] - seg["lo"][ship],
                                         minlength=world).astype(np.int64).tolist(),
             lse_slots=torch.from_numpy(lse_slots.astype(np.int64)),
-            lse_layout=self._lse_layout(rank, compact) if len(ship) else None)
+            lse_layout=lse_layout,
+            local_calls=self._local_calls(rank, compact, local_layout) if alibi else (),
+            lse_calls=self._lse_calls(rank, compact, lse_layout) if alibi and lse_layout is not None else ())
 
     def _local_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
         """This rank's block rows (not shipped) over its compact key blocks."""
@@ -242,7 +269,7 @@ class ShardPlan:
         inside = (pos < len(compact)) & (compact[np.minimum(pos, len(compact) - 1)] == e.col)
         e = e.take(inside)
         return self._assemble(e.group, seg["block"][mine][e.segment] - first_block, pos[inside], e.full, e.tile,
-                              n_rows, len(compact), compact[-1], self.layout.masks.numpy())
+                              n_rows, self._block_tokens(compact), self.layout.masks.numpy())
 
     def _lse_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
         """Every shipped segment (one block row each, in segment order) over this rank's own keys."""
@@ -267,16 +294,54 @@ class ShardPlan:
         keep = ~cut
         keep[c] = tiles.any((1, 2))
         return self._assemble(e.group[keep], e.segment[keep], np.searchsorted(compact, e.col[keep]),
-                              (e.full & ~cut)[keep], tile[keep], len(ship) * step, len(compact), compact[-1],
+                              (e.full & ~cut)[keep], tile[keep], len(ship) * step, self._block_tokens(compact),
                               np.concatenate([pool, tiles]))
 
-    def _assemble(self, group, rows, cols, full, tile, n_rows: int, n_cols: int, last_block: int,
-                  pool: np.ndarray) -> BlockLayout:
-        """A BlockLayout of blocks (group, row, col, full; ``tile``: the partial ones' tiles in ``pool``) of
-        ``n_rows`` query rows and ``n_cols`` key blocks of the source grid, ``last_block`` the last of them."""
+    # --- ALiBi: calls over consecutive positions ---------------------------------------------------
+    def _local_calls(self, rank: int, compact: np.ndarray, local: BlockLayout) -> tuple[AlibiCall, ...]:
+        """``local_layout`` as one call per run of consecutive key blocks in the compact buffer, over its rows from
+        the rank's first block (at most to the sequence's end)."""
+        first = int(self._seg["block"][self._seg["rank"] == rank].min()) * self.step    # position of row 0
+        rows = min(local.n_q, self.layout.n_q - first)
+        runs = np.split(np.arange(len(compact)), np.flatnonzero(np.diff(compact) != 1) + 1)
+        calls = (self._call(local, 0, rows, first, int(run[0]), compact[run]) for run in runs)
+        return tuple(call for call in calls if call is not None)
+
+    def _lse_calls(self, rank: int, compact: np.ndarray, lse_layout: BlockLayout) -> tuple[AlibiCall, ...]:
+        """``lse_layout`` as one call per shipped segment (its block row, at the segment's position) over this
+        rank's own key blocks."""
         step = self.step
-        n_blocks = ceil_div(self.layout.n_k, step)
-        n_k = n_cols * step - (n_blocks * step - self.layout.n_k if last_block == n_blocks - 1 else 0)
+        own = np.arange(self.starts[rank] // step, (self.starts[rank + 1] - 1) // step + 1)
+        first_own = int(np.searchsorted(compact, own[0]))
+        calls = (self._call(lse_layout, t * step, t * step + min(step, self.layout.n_q - int(block) * step),
+                            int(block) * step, first_own, own)
+                 for t, block in enumerate(self._seg["block"][self._shipped]))
+        return tuple(call for call in calls if call is not None)
+
+    def _call(self, source: BlockLayout, row0: int, row1: int, query_start: int, col0: int,
+              blocks: np.ndarray) -> AlibiCall | None:
+        """Rows ``row0 .. row1 - 1`` of ``source`` (a block-aligned start, at positions from ``query_start``) over
+        its key blocks ``col0 ..`` (the grid's consecutive ``blocks``), padded for ALiBi; None without a block."""
+        step = self.step
+        n_keys = self._block_tokens(blocks)
+        pad_keys, pad_rows, shift = alibi_alignment(query_start, row1 - row0, int(blocks[0]) * step, n_keys)
+        e = _segment_entries(source.index, np.arange(row0 // step, ceil_div(row1, step)))
+        e = e.take((e.col >= col0) & (e.col < col0 + len(blocks)))
+        if len(e.col) == 0:
+            return None
+        layout = self._assemble(e.group, e.segment, e.col - col0, e.full, e.tile, row1 - row0 + pad_rows,
+                                n_keys + pad_keys, source.masks.numpy())
+        return AlibiCall(row0, row1, col0 * step, col0 * step + n_keys, pad_rows, pad_keys, shift, layout)
+
+    def _block_tokens(self, blocks: np.ndarray) -> int:
+        """Tokens in these key blocks of the grid (sorted): whole blocks but the sequence's last, which may be
+        short."""
+        return len(blocks) * self.step - max((int(blocks[-1]) + 1) * self.step - self.layout.n_k, 0)
+
+    def _assemble(self, group, rows, cols, full, tile, n_rows: int, n_k: int, pool: np.ndarray) -> BlockLayout:
+        """A BlockLayout of blocks (group, row, col, full; ``tile``: the partial ones' tiles in ``pool``) of
+        ``n_rows`` query rows and ``n_k`` keys, whole blocks of the source grid but for the last."""
+        step = self.step
         order = np.lexsort((cols, rows, group))
         group, rows, cols, full, tile = group[order], rows[order], cols[order], full[order], tile[order]
         tq, tk = min(self.layout.block_size, n_rows), min(self.layout.block_size, n_k)
