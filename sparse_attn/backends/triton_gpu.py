@@ -909,7 +909,8 @@ def _check_slopes(slopes: torch.Tensor | None, q: torch.Tensor) -> None:
     if (slopes.dtype != torch.float32 or slopes.device != q.device or slopes.shape not in ((1, heads), (batch, heads))
             or not slopes.is_contiguous()):
         raise ValueError(f"backend='triton' reads ALiBi slopes as a contiguous float32 (1 or B, Hq) = (1 or {batch}, "
-                         f"{heads}) tensor on {q.device}, got {slopes.dtype} {tuple(slopes.shape)} on {slopes.device}; "
+                         f"{heads}) tensor on {q.device}, got {slopes.dtype} {tuple(slopes.shape)} on {slopes.device}, "
+                         f"contiguous={slopes.is_contiguous()}; "
                          f"build the modifiers with sparse_attn.score_mods.check_mods(q, softcap, alibi_slopes)")
 
 
