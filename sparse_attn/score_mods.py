@@ -62,6 +62,8 @@ def check_mods(q: torch.Tensor, softcap=None, alibi_slopes=None, sinks=None) -> 
     Values are checked except on meta tensors and while torch.compile traces (reading them would break the
     graph): non-finite slopes are an error, NaN in ``sinks`` propagates to the rows it touches.
     """
+    if softcap is None and alibi_slopes is None and sinks is None:
+        return NO_MODS, None                                                   # the common call: nothing to do
     mods = ScoreMods(_check_softcap(softcap), _check_slopes(alibi_slopes, q))
     return (NO_MODS if mods == NO_MODS else mods), _check_sinks(sinks, q)
 
