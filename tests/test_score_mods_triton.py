@@ -164,6 +164,25 @@ def test_sinks_ride_on_top_through_sparse_attention():
         torch.testing.assert_close(a.double(), w, atol=2e-5, rtol=2e-5, msg=name)
 
 
+def test_torch_compile_traces_the_modifiers_forward_and_backward():
+    """Inductor, fullgraph=True: the custom ops take the float softcap and the slopes tensor; compiled equals eager."""
+    q, k, v, layout = case_inputs("kv-batch-1")
+    slopes = slopes_for("examples", q.shape[0], q.shape[1])
+
+    def attend(q, k, v):
+        return sa.sparse_attention(q, k, v, layout, softcap=SOFTCAP, alibi_slopes=slopes, backend="triton",
+                                   return_lse=True)
+
+    grad_out, grad_lse = torch.randn(q.shape, dtype=torch.float64, device=DEVICE), torch.ones_like(q[..., 0]).double()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(attend, fullgraph=True, backend="inductor")     # caches off: compiled here, now
+        results = [with_grads(fn, q, k, v, grad_out, grad_lse) for fn in (compiled, attend)]
+    torch._dynamo.reset()
+    for name, compiled_result, eager_result in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(compiled_result, eager_result, atol=1e-6, rtol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------------------------------------
 # The pieces: tanh from exp2, the constexpr switches, the slopes the kernels read
 # ------------------------------------------------------------------------------------------------
