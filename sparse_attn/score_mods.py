@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ScoreMods:
 
 
 NO_MODS = ScoreMods()
+# alibi_slopes tensors found finite -> their version then: a layer's slopes on a GPU are read (a host sync) once,
+# not at every call, and again after an in-place change
+_FINITE = WeakIdKeyDictionary()
 
 
 def check_mods(q: torch.Tensor, softcap=None, alibi_slopes=None, sinks=None) -> tuple[ScoreMods, torch.Tensor | None]:
@@ -60,7 +64,8 @@ def check_mods(q: torch.Tensor, softcap=None, alibi_slopes=None, sinks=None) -> 
     ValueError: softcap must be a finite float > 0 (scores become softcap * tanh(score / softcap)), got 0; pass softcap=None for no capping
 
     Values are checked except on meta tensors and while torch.compile traces (reading them would break the
-    graph): non-finite slopes are an error, NaN in ``sinks`` propagates to the rows it touches.
+    graph): non-finite slopes are an error (read once per slopes tensor, and again after an in-place change:
+    no host sync at every call), NaN in ``sinks`` propagates to the rows it touches.
     """
     if softcap is None and alibi_slopes is None and sinks is None:
         return NO_MODS, None                                                   # the common call: nothing to do
@@ -91,9 +96,11 @@ def _check_slopes(slopes, q: torch.Tensor) -> torch.Tensor | None:
     if slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError("alibi_slopes get no gradient (they are fixed per head, as in ALiBi and FlashAttention), "
                          "but requires_grad=True; pass alibi_slopes.detach()")
-    if _readable(slopes) and not torch.isfinite(slopes).all():
-        bad = slopes[~torch.isfinite(slopes)][0].item()
-        raise ValueError(f"alibi_slopes must be finite, got {bad} among {slopes.tolist()}")
+    if _readable(slopes) and _FINITE.get(slopes) != slopes._version:          # read once per tensor and change
+        if not torch.isfinite(slopes).all():
+            bad = slopes[~torch.isfinite(slopes)][0].item()
+            raise ValueError(f"alibi_slopes must be finite, got {bad} among {slopes.tolist()}")
+        _FINITE[slopes] = slopes._version
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return slopes.detach().to(dtype).reshape(-1, heads).contiguous()
 

@@ -211,3 +211,17 @@ def call(**kwargs):
 def test_errors(kwargs, error, message):
     with pytest.raises(error, match=message):
         call(**kwargs)
+
+
+def test_slopes_are_read_once_and_again_after_an_in_place_change(monkeypatch):
+    """A layer's slopes on a GPU are not read (a host sync) at every call; a change in place is still caught."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    reads = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: reads.append(t.shape) or real(t))
+    for _ in range(3):
+        call(alibi_slopes=slopes)
+    assert len(reads) == 1
+    slopes[2] = math.nan
+    with pytest.raises(ValueError, match="alibi_slopes must be finite, got nan"):
+        call(alibi_slopes=slopes)
