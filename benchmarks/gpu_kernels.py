@@ -27,6 +27,9 @@ that ``sparse-attn bench`` runs too (``make_runner`` maps the names):
   pass, and says which block that was;
 - ``sdpa``: dense ``scaled_dot_product_attention`` restricted to the flash kernel (causal for the
   causal pattern), the speed-of-light for the hardware;
+- ``triton-softcap``, ``triton-alibi``: ``triton`` (block 64) with ``softcap=50.0`` (Gemma 2's) or ALiBi's
+  geometric slopes ``2^(-8 (h + 1) / H)``: what the score modifiers cost (issue 27); not in the default plan,
+  ``--impls`` names them, and the markdown lists each against ``triton`` at the same point;
 - ``masked-sdpa``: the naive baseline, dense ``scaled_dot_product_attention`` with the pattern's token
   mask (``layout.row_mask``: (1, 1, N, N) bool when heads share the pattern, else (1, H, N, N)); torch
   picks the kernel (recorded as ``sdpa_backend``) and turns the bool mask into a bf16 bias at every
@@ -93,8 +96,10 @@ TRITON_BLOCKS = {"triton": 64, "triton-128": 128}  # implementation: the block o
 FLEX_BLOCKS = {"flex-128": 128, "flex-64": 64, "flex-128-max": 128, "flex-64-max": 64}  # its BlockMask's block
 FLEX_MODES = {"flex-128-max": peers.AUTOTUNE, "flex-64-max": peers.AUTOTUNE}  # torch.compile mode (default: none)
 BLOCKS = TRITON_BLOCKS | FLEX_BLOCKS
-IMPLEMENTATIONS = (*TRITON_BLOCKS, *FLEX_BLOCKS, "sdpa", "masked-sdpa")
-DEFAULT_IMPLS = [impl for impl in IMPLEMENTATIONS if impl not in FLEX_MODES]  # autotuning: ~1 min a point
+TRITON_MODS = ("triton-softcap", "triton-alibi")  # triton at block 64 with a score modifier (issue 27)
+IMPLEMENTATIONS = (*TRITON_BLOCKS, *FLEX_BLOCKS, "sdpa", "masked-sdpa", *TRITON_MODS)
+DEFAULT_IMPLS = [impl for impl in IMPLEMENTATIONS  # autotuning: ~1 min a point; modifiers: asked for by name
+                 if impl not in FLEX_MODES and impl not in TRITON_MODS]
 SPARSE = (*TRITON_BLOCKS, *FLEX_BLOCKS)  # those that skip blocks, the only ones at 1M tokens
 KEY = ("impl", "pattern", "head_dim", "batch", "n")  # a point; a row is a point plus its results
 DEFAULT_N = [4096, 8192, 16384, 32768, 65536, 131072]
@@ -171,6 +176,9 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
     else {})."""
     if impl in TRITON_BLOCKS:
         return peers.sparse_attn(q, k, v, layout, backend="triton"), {}
+    if impl in TRITON_MODS:
+        mods = score_mods(impl, q.shape[1], q.device)
+        return lambda: sa.sparse_attention(q, k, v, layout, backend="triton", **mods), {}
     if impl in FLEX_BLOCKS:  # compiled afresh for each point; autotuning picks its own tiles
         tiles = None if impl in FLEX_MODES else peers.FLEX_TILES.get(layout.block_size)
         return peers.flex(q, k, v, layout, mode=FLEX_MODES.get(impl), kernel_options=tiles), {}
@@ -178,6 +186,14 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
         mask = peers.token_mask(layout, q.device)                           # (1, 1|H, N, N) bool
         return peers.masked_sdpa(q, k, v, mask), {"sdpa_backend": masked_sdpa_backend(q, k, v, mask)}
     return peers.sdpa(q, k, v, causal=causal, flash=True), {}
+
+
+def score_mods(impl: str, heads: int, device) -> dict:
+    """The modifier of ``triton-softcap`` (Gemma 2's softcap, 50) or ``triton-alibi`` (ALiBi's geometric slopes
+    ``2^(-8 (h + 1) / heads)``: 1/4, 1/16, 1/64, 1/256 for 4 heads)."""
+    if impl == "triton-softcap":
+        return {"softcap": 50.0}
+    return {"alibi_slopes": torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)}
 
 
 def _timed_s(fn) -> float:
@@ -365,6 +381,25 @@ def _backend_line(rows: list[dict]) -> list[str]:
     return ["", f"masked-sdpa ran torch's {counts}."]
 
 
+def _modifier_lines(index: dict, points: list[tuple], errors: list[str]) -> list[str]:
+    """Each score modifier's times at a point and their ratio to ``triton`` (block 64) without it."""
+    lines = []
+    for point in points:
+        plain = index.get(("triton", *point))
+        found = [(impl, index[(impl, *point)]) for impl in TRITON_MODS if (impl, *point) in index]
+        cells = [f"{impl[7:]} forward {_cell(row, 'fwd_ms', '.2f', errors)} ms "
+                 f"({_ratio(row, plain, 'fwd_ms', 'fwd_ms', '.2f')}x), forward+backward "
+                 f"{_cell(row, 'fwd_bwd_ms', '.2f', errors)} ms ({_ratio(row, plain, 'fwd_bwd_ms', 'fwd_bwd_ms', '.2f')}x)"
+                 for impl, row in found]
+        if cells:
+            pattern, head_dim, batch, n = point
+            lines.append(f"- {pattern}, D={head_dim}, B={batch}, N={n}: " + "; ".join(cells))
+    if not lines:
+        return []
+    return ["", "Score modifiers (issue 27): triton at block 64 with softcap=50 or ALiBi slopes, and x its time "
+                "without (target: forward <= 1.10x):", "", *lines]
+
+
 def to_markdown(rows: list[dict], meta: dict, pending: int = 0) -> str:
     index = {point_of(r): r for r in rows}
     points = sorted({key[1:] for key in index}, key=lambda p: (list(PATTERNS).index(p[0]), *p[1:]))
@@ -407,6 +442,7 @@ def to_markdown(rows: list[dict], meta: dict, pending: int = 0) -> str:
                cells("fwd_bwd_peak_mb", ".0f", t_bwd, f_bwd)]
         lines.append("| " + " | ".join(row) + " |")
     lines += _backend_line(rows)
+    lines += _modifier_lines(index, points, errors)
     if errors:
         lines += ["", "Errors:", "", *(f"- E{i}: {error}" for i, error in enumerate(errors, 1))]
     lines += _million_lines(index, errors, meta)
@@ -433,7 +469,7 @@ def figure(record: dict, path: Path) -> None:
     quantities = (("fwd_bwd_ms", "f+b ms"), ("fwd_bwd_peak_mb", "f+b peak MiB above inputs"))
     fig, axes = plt.subplots(len(quantities) * len(dims), len(PATTERNS), squeeze=False,
                              figsize=(4.6 * len(PATTERNS), 3.4 * len(quantities) * len(dims)))
-    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "v--", "<--", "k:", "x-.")))
+    styles = dict(zip(IMPLEMENTATIONS, ("o-", "o--", "s--", "^--", "v--", "<--", "k:", "x-.", "D-", "P-")))
     for q, (key, label) in enumerate(quantities):
         for d, head_dim in enumerate(dims):
             for p, pattern in enumerate(PATTERNS):

@@ -5,7 +5,9 @@ in the kernel's dtype as the baseline; sinks on top through sparse_attention.
 Without a GPU the kernels run on CPU tensors in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
 so the shapes are tiny: blocks of 16, a few blocks a row.
 """
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +227,33 @@ def test_slopes_the_kernels_would_misread_are_refused(slopes, why):
     q, k, v, layout = case_inputs("kv-batch-1")
     with pytest.raises(ValueError, match=f"contiguous float32.*{why}.*check_mods"):
         triton_gpu.attention(q, k, v, layout, SCALE, ScoreMods(0.0, slopes.to(DEVICE)))
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/gpu_kernels.py: the modified kernels as implementations a GPU session times
+# ------------------------------------------------------------------------------------------------
+def gpu_kernels():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("gpu_kernels", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_benchmark_runs_softcap_and_alibi_and_reports_their_cost():
+    gk = gpu_kernels()
+    assert not set(gk.TRITON_MODS) & set(gk.DEFAULT_IMPLS) and gk.parse_args(["--impls", *gk.TRITON_MODS]).impls
+    q, k, v, layout = case_inputs("gqa-partial-blocks")
+    plain = sa.sparse_attention(q, k, v, layout, backend="triton")
+    alibi = {"alibi_slopes": torch.tensor([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8], device=DEVICE)}   # 2^(-8 (h+1) / 4)
+    for impl, mods in (("triton-softcap", {"softcap": 50.0}), ("triton-alibi", alibi)):
+        forward, details = gk.make_runner(impl, q, k, v, layout, causal=False)
+        out = forward()
+        assert details == {} and not torch.equal(out, plain), impl
+        torch.testing.assert_close(out, sa.sparse_attention(q, k, v, layout, backend="triton", **mods), msg=impl)
+    point = ("longformer", 64, 1, 32768)
+    rows = [dict(zip(gk.KEY, (impl, *point)), fwd_ms=ms, fwd_bwd_ms=3 * ms)
+            for impl, ms in (("triton", 2.0), ("triton-softcap", 2.3), ("triton-alibi", 2.1))]
+    meta = {"device": "GPU", "gpu_memory_gib": 80, "driver": "-", "cuda": "-", "torch": "-", "triton": "-"}
+    assert ("- longformer, D=64, B=1, N=32768: softcap forward 2.30 ms (1.15x), forward+backward 6.90 ms (1.15x); "
+            "alibi forward 2.10 ms (1.05x), forward+backward 6.30 ms (1.05x)") in gk.to_markdown(rows, meta)
