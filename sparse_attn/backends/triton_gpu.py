@@ -22,6 +22,10 @@ blocks, or a piece of a long one), longest items first:
         l   = l * exp2(m - m') + rowsum(p)
         acc = acc * exp2(m - m') + p @ v_c
     out = acc / l;  lse = (m + log2(l)) * ln(2)        # natural-log lse, saved for the backward
+With score modifiers (``ScoreMods``: softcap, ALiBi; compile-time switches, so the kernels above are unchanged
+without them) each score is computed in log2 units before the same online softmax:
+``t = log2(e) * (c * tanh(scale * s / c) - slope * |i' - j|)``, the max taken on t; the backward recomputes t and
+multiplies dS by 1 - tanh^2. Sinks never enter the kernels (``score_mods.add_sink``).
 Rows with no allowed key keep m = -inf and l = 0: their output is 0 and their lse is -inf. A row cut
 into pieces (the rows of global tokens, which hold every key block) has each piece write its (out, lse)
 to a float32 scratch slot; ``_merge_kernel`` combines them by log-sum-exp. The backward cuts rows (dQ)
@@ -107,9 +111,9 @@ def _load_mask(masks, tile_id, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 @triton.jit
 def _tanh(x):
-    """tanh(x) in float32 from exp2 (tl.math has no tanh on every Triton version): within 6e-7 relative of the
-    exact value, exactly +-1 for large |x|, NaN for NaN. Near 0, where 1 - 2 / (exp(2x) + 1) loses digits to
-    cancellation, an odd polynomial."""
+    """tanh(x) in float32 from exp2 (tl.math has no tanh on every Triton version): 5.3e-7 relative at most with
+    an exact exp2 (the interpreter's; tests allow 1e-6), exactly +-1 for large |x|, NaN for NaN. Near 0, where
+    1 - 2 / (exp(2x) + 1) loses digits to cancellation, an odd polynomial."""
     far = 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)           # exp2 -> inf or 0 for large |x|: +-1
     x2 = x * x
     near = x + x * x2 * (_TANH_C3 + x2 * (_TANH_C5 + x2 * _TANH_C7))
