@@ -128,6 +128,22 @@ def test_modifiers_match_the_oracle(name, mods):
     check_mods(q, k, v, layout, softcap, slopes_for(slopes, q.shape[0], q.shape[1]))
 
 
+@pytest.mark.parametrize("softcap", [1e-45, 1e-38, 1e34, 1e300])
+def test_extreme_softcaps_give_the_oracles_scores_not_nan(softcap):
+    """scale / softcap and softcap * log2(e) overflowed float32 (NaN out of 0 * inf): tiny caps make every score
+    about 0, huge ones leave the scores as they are. (torch in float32 overflows there too: the oracle alone.)"""
+    q, k, v, layout = case_inputs("kv-batch-1")
+    q[0, 0, 3] = 0.0                                                              # a score of exactly 0
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=DEVICE)
+    grad_lse = torch.randn(q.shape[:3], dtype=torch.float64, device=DEVICE)
+    got = with_grads(lambda *qkv: sa.sparse_attention(*qkv, layout, scale=SCALE, softcap=softcap, backend="triton",
+                                                      return_lse=True), q, k, v, grad_out, grad_lse)
+    want = with_grads(lambda *qkv: oracle(*qkv, layout.to_dense(), SCALE, softcap=softcap), q.double(), k.double(),
+                      v.double(), grad_out, grad_lse)
+    for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []),
                          ids=lambda d: str(d)[6:])
 def test_half_precision_with_both_modifiers(dtype):

@@ -639,12 +639,19 @@ def _meta(q: torch.Tensor, k: torch.Tensor, block: int, mods: ScoreMods) -> dict
     return kernel_constants(q.shape[-1], q.dtype, q.shape[2], k.shape[2], block, mods)
 
 
+# The softcaps the kernels run: float32 must hold scale / softcap and softcap * log2(e) (a softcap of 1e-45 or 1e300
+# overflowed one of them, and 0 * inf made NaN). Outside this range float32 gives the same capped scores: about 0
+# for every pair below it (exp2 of them is 1), the scores themselves above it (tanh(x) = x below |x| = 4e-4).
+_SOFTCAP_RANGE = (1e-30, 1e36)
+
+
 def _mod_args(mods: ScoreMods, scale: float, fallback: torch.Tensor) -> tuple:
     """The kernels' modifier arguments: Slopes (``fallback``, never read, without ALiBi), its example stride
     (0: one row of slopes for every example), cap_in_scale = scale / softcap, cap_out_scale = softcap * log2(e)."""
     slopes = mods.alibi_slopes
     if mods.softcap > 0:
-        cap_in_scale, cap_out_scale = scale / mods.softcap, mods.softcap * _LOG2E.value
+        cap = min(max(mods.softcap, _SOFTCAP_RANGE[0]), _SOFTCAP_RANGE[1])
+        cap_in_scale, cap_out_scale = scale / cap, cap * _LOG2E.value
     else:
         cap_in_scale, cap_out_scale = 0.0, 0.0
     if slopes is None:
