@@ -310,12 +310,14 @@ class SparseKVCache:
 
     # --- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-               return_lse: bool = False, **mods):
+               return_lse: bool = False, softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+               sinks: torch.Tensor | None = None):
         """``update(k, v)``, then the new queries q (B, Hq, n_new, D) over the held keys: equal to
-        ``sparse_attention(q, k_all, v_all, pattern, **mods)`` over the whole past. Returns out (B, Hq, n_new,
-        D), or ``(out, lse)`` with ``return_lse=True``. ``mods``: ``softcap``, ``alibi_slopes``, ``sinks`` as in
+        ``sparse_attention(q, k_all, v_all, pattern, ...)`` over the whole past. Returns out (B, Hq, n_new, D),
+        or ``(out, lse)`` with ``return_lse=True``. ``softcap``, ``alibi_slopes``, ``sinks`` as in
         ``sparse_attention`` (ALiBi at the tokens' positions, whatever was evicted between them). Every
         argument is checked first: a call that raises leaves the cache as it was."""
+        mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
         self._check_kv(k, v)
         self._check_queries(q, k, v, scale, return_lse, mods)
         keys, values, positions = self._append(k, v)
