@@ -38,11 +38,23 @@ transformers 5.x renamed it: ``CACHE_KEYWORD`` is the installed one's) keeps, in
 layer, only the keys that layer's pattern can still reach (:class:`SparseCache`); the attention function
 finds the absolute positions of the keys it receives through :class:`SparseCacheLayer` (see ``_held_keys``).
 
+Score modifiers a model hands its attention function run in sparse_attention: Gemma 2's ``softcap=``
+(``attn_logit_softcapping``) and gpt-oss's ``s_aux=`` (one learned sink per query head) become its
+``softcap=`` and ``sinks=``, in the prefill and in every cached step (:func:`_score_mods`); with their
+sliding-window and full layers each running the model's own attention (:func:`own_patterns`) these models
+compute what their eager attention computes.
+
 Models that sparse_attn cannot run are refused when they are built with a registered name: models
 whose layers compute attention themselves instead of calling transformers' ``AttentionInterface``
-(Longformer, BigBird, DeBERTa, ...) and encoder-decoder models (their cross-attention relates two
-sequences). Attention that adds to the scores (T5's position bias, Gemma 2's soft-capping, learned
-sinks) is refused at the first forward.
+(Longformer, BigBird, DeBERTa, ALiBi models such as BLOOM and MPT, ...) and encoder-decoder models (their
+cross-attention relates two sequences). What the attention function is handed and sparse_attn does not
+compute is refused at the first forward (``_NOT_COMPUTED``): a position-bias tensor (T5-style
+``position_bias=``), sinks computed per token (``sinks=``, or an ``s_aux`` that is not one per head) and an
+indexer's choice of keys (``indices=``, ``block_indices=``: DeepSeek V3.2-style sparse attention).
+
+Under ``torch.compile`` a call with no padding mask reads no tensor's values (``fullgraph=True`` works): the
+positions' restarts that mark a packed batch are checked inside the graph, and a packed batch raises when the
+graph runs unless ``cu_seq_lens_q/k`` say where its documents are (see :func:`packed_documents`).
 """
 from __future__ import annotations
 
@@ -80,10 +92,16 @@ _REGISTERED: dict[str, tuple[Pattern | tuple[Pattern, ...] | None, str]] = {}
 _PACKED_PREFILLS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # attention layers whose cache holds a packed batch
 _NO_PACKED_CACHE = ("sparse_attn runs packed sequences (several documents in one row) without a KV cache only: pass "
                     "use_cache=False with packed batches, and generate from a padded batch (one document per row)")
-# Arguments transformers hands attention functions that change the scores; sparse_attn computes plain softmax.
-_SCORE_CHANGES = {"position_bias": "adds a position bias to the attention scores",     # T5, ALiBi models
-                  "softcap": "soft-caps the attention scores",                     # Gemma 2
-                  "s_aux": "adds learned attention sinks to the softmax"}          # gpt-oss
+_PACKED_WHILE_COMPILING = ("sparse_attn: position_ids restart (a packed batch) in a model compiled with torch.compile "
+                           "and no padding mask; compiled, sparse_attn reads packing from cu_seq_lens_q/k only "
+                           "(reading the positions would break the graph): pass them, DataCollatorWithFlattening("
+                           "return_flash_attn_kwargs=True), or run packed batches uncompiled")
+# Arguments transformers hands attention functions that change what attention computes, beyond what sparse_attn
+# computes (softcap= and s_aux=, which it takes: _score_mods): the model would silently get something else.
+_NOT_COMPUTED = {"position_bias": "adds a position bias tensor to the attention scores",   # T5, Inkling, ...
+                 "sinks": "adds attention sinks computed per token to the softmax",      # Inkling 2
+                 "indices": "attends only the keys its indexer selects",                 # DeepSeek V3.2, HY V4
+                 "block_indices": "attends only the key blocks its indexer selects"}     # MiniMax M3
 
 
 def register(pattern: Pattern | list[Pattern] | None = None, *, name: str = "sparse_attn",
@@ -124,7 +142,7 @@ def _attention_function(name: str):
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs) -> tuple[torch.Tensor, None]:
         """query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D) -> ((B, Nq, Hq, D), None), as transformers expects."""
-        _check_scores_unchanged(module, kwargs)
+        mods = _score_mods(module, query.shape[1], kwargs)
         if kwargs.get("output_attentions"):
             warnings.warn(f"attn_implementation={name!r} does not support output_attentions=True: sparse_attn never "
                           f"materialises attention weights, so none are returned (as with 'sdpa'); build the model "
@@ -150,10 +168,10 @@ def _attention_function(name: str):
             # With a KV cache the n_q queries are the last positions: sparse_attn aligns them bottom-right.
             out = left_padded_attention(query, key, value, pattern, starts, causal=causal,
                                         key_padding_mask=key_padding_mask, documents=documents, scale=scaling,
-                                        backend=backend)                              # (B, Hq, Nq, D)
+                                        backend=backend, **mods)                      # (B, Hq, Nq, D)
         else:  # a SparseCache evicted keys: the pattern applies at the held keys' absolute positions
             held_padding = None if key_padding_mask is None else key_padding_mask[:, held.positions]  # (B, Nk)
-            out = held.attend(query, key, value, held_padding, scaling)                   # (B, Hq, Nq, D)
+            out = held.attend(query, key, value, held_padding, scaling, **mods)           # (B, Hq, Nq, D)
         if dropout > 0:
             out = nn.functional.dropout(out, dropout)  # transformers passes dropout > 0 only in training
         return rearrange(out, "b h n d -> b n h d").contiguous(), None
@@ -162,12 +180,26 @@ def _attention_function(name: str):
     return sparse_attn_forward
 
 
-def _check_scores_unchanged(module: nn.Module, kwargs: dict) -> None:
-    for argument, what in _SCORE_CHANGES.items():
+def _score_mods(module: nn.Module, q_heads: int, kwargs: dict) -> dict:
+    """sparse_attention's ``softcap`` and ``sinks`` from what a model hands its attention function: Gemma 2's
+    ``softcap`` (a float), gpt-oss's ``s_aux`` (one learned sink per query head, (Hq,)). A ValueError for what
+    sparse_attn does not compute (``_NOT_COMPUTED``, an ``s_aux`` of another shape), naming it.
+
+    >>> _score_mods(None, 2, {"softcap": 50.0, "s_aux": torch.zeros(2), "sliding_window": 4096})
+    {'softcap': 50.0, 'sinks': tensor([0., 0.])}
+    """
+    for argument, what in _NOT_COMPUTED.items():
         if kwargs.get(argument) is not None:
             raise ValueError(f"{type(module).__name__} {what} (it passes {argument}= to the attention function), "
                              f"which sparse_attn does not compute: the result would silently differ from the "
                              f"model's; use attn_implementation='sdpa' or 'eager' for this model")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q_heads,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{type(module).__name__} passes s_aux= of shape {shape} to the attention function; "
+                         f"sparse_attn computes one learned sink per query head (s_aux of shape ({q_heads},), as "
+                         f"gpt-oss passes it), not sinks per token; use attn_implementation='eager' for this model")
+    return {"softcap": kwargs.get("softcap"), "sinks": sinks}
 
 
 def packed_documents(batch: int, n_q: int, n_k: int, key_padding_mask: torch.Tensor | None = None, *,
@@ -187,7 +219,10 @@ def packed_documents(batch: int, n_q: int, n_k: int, key_padding_mask: torch.Ten
     continue the previous token's position by 1 (transformers' own rule for packed sequences), among
     real tokens: padding (``key_padding_mask``, True = padding) gets -1 and the positions a generate()
     call gives padding do not split a sequence. Any start value works (RoBERTa-style positions from 2).
-    Packing within a cached step (``n_q < n_k``) is refused: the cache's documents are unknown.
+    Packing within a cached step (``n_q < n_k``) is refused: the cache's documents are unknown. While
+    torch.compile traces a call with no padding mask, the positions are not read: the batch is taken as not
+    packed and the graph checks it when it runs (a RuntimeError if the positions restart); pass
+    ``cu_seq_lens_q/k`` to run packed batches compiled. Eager calls read them as above.
     """
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
         return _documents_of_cu_seq_lens(batch, n_q, n_k, cu_seq_lens_q, cu_seq_lens_k)
@@ -198,6 +233,10 @@ def packed_documents(batch: int, n_q: int, n_k: int, key_padding_mask: torch.Ten
         ~key_padding_mask[:, -n_q:]                                                      # (B, Nq), True = token
     jump = positions[:, 1:] != positions[:, :-1] + 1                                     # (B, Nq - 1)
     restart = real[:, 1:] & real[:, :-1] & jump                                          # a new document
+    if torch.compiler.is_compiling() and key_padding_mask is None:
+        # Reading restart would break the graph (fullgraph=True fails): a packed batch raises when the graph runs.
+        torch._assert_async(~restart.any(), _PACKED_WHILE_COMPILING)
+        return None
     if not restart.any():
         return None
     if n_q < n_k:
@@ -489,9 +528,11 @@ class _Held(NamedTuple):
         return torch.equal(self.positions, torch.arange(len(self.positions)))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               key_padding_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-        """The new queries (B, Hq, Nq, D) over the held keys at their absolute positions -> (B, Hq, Nq, D)."""
-        return self.kv.attention(query, key, value, self.positions, scale=scale, key_padding_mask=key_padding_mask)
+               key_padding_mask: torch.Tensor | None, scale: float | None, **mods) -> torch.Tensor:
+        """The new queries (B, Hq, Nq, D) over the held keys at their absolute positions -> (B, Hq, Nq, D);
+        ``mods``: ``softcap`` and ``sinks`` as ``sparse_attention`` takes them."""
+        return self.kv.attention(query, key, value, self.positions, scale=scale, key_padding_mask=key_padding_mask,
+                                 **mods)
 
 
 _HELD_KEYS: dict[int, _Held] = {}  # id(keys returned by a SparseCacheLayer) -> their positions (while they live)
