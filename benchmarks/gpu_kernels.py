@@ -389,8 +389,8 @@ def _modifier_lines(index: dict, points: list[tuple], errors: list[str]) -> list
         found = [(impl, index[(impl, *point)]) for impl in TRITON_MODS if (impl, *point) in index]
         cells = [f"{impl[7:]} forward {_cell(row, 'fwd_ms', '.2f', errors)} ms "
                  f"({_ratio(row, plain, 'fwd_ms', 'fwd_ms', '.2f')}x), forward+backward "
-                 f"{_cell(row, 'fwd_bwd_ms', '.2f', errors)} ms ({_ratio(row, plain, 'fwd_bwd_ms', 'fwd_bwd_ms', '.2f')}x)"
-                 for impl, row in found]
+                 f"{_cell(row, 'fwd_bwd_ms', '.2f', errors)} ms "
+                 f"({_ratio(row, plain, 'fwd_bwd_ms', 'fwd_bwd_ms', '.2f')}x)" for impl, row in found]
         if cells:
             pattern, head_dim, batch, n = point
             lines.append(f"- {pattern}, D={head_dim}, B={batch}, N={n}: " + "; ".join(cells))
