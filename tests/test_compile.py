@@ -122,9 +122,8 @@ def test_layer_forward_and_backward(fullgraph):
     assert graphs.frame_count == 1 or not fullgraph
 
 
-def test_hugging_face_llama_trains_compiled():
-    """torch.compile(model) on the sparse route (no fullgraph: transformers' attention function reads the padding
-    mask and the positions' values), one training step's loss and gradients against eager."""
+def tiny_llama():
+    """A one-layer Hugging Face Llama (GQA) on the sparse route with PATTERN, and token ids (2, 24)."""
     transformers = pytest.importorskip("transformers", reason='needs transformers: pip install ".[hf]"')
     from sparse_attn.integrations.transformers import register
 
@@ -133,15 +132,22 @@ def test_hugging_face_llama_trains_compiled():
                                       intermediate_size=64, vocab_size=100, max_position_embeddings=64, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
-    ids = torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    return model, torch.randint(3, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def training_step(fn, model, ids) -> list:
+    """The logits, the loss and every parameter's gradient of one step of ``fn`` (``model`` or its compiled form)."""
+    model.zero_grad()
+    out = fn(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return [out.logits, out.loss] + [p.grad.clone() for p in model.parameters()]
+
+
+def test_hugging_face_llama_trains_compiled():
+    """torch.compile(model) on the sparse route, one training step's loss and gradients against eager."""
+    model, ids = tiny_llama()
     compiled, _ = inductor(model, fullgraph=False)
-    results = []
-    for fn in (compiled, model):
-        model.zero_grad()
-        out = fn(input_ids=ids, labels=ids)
-        out.loss.backward()
-        results.append([out.logits, out.loss] + [p.grad.clone() for p in model.parameters()])
-    for actual, expected in zip(*results):
+    for actual, expected in zip(training_step(compiled, model, ids), training_step(model, model, ids)):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
 
 
@@ -161,3 +167,18 @@ def test_triton_backend_with_a_layout_built_on_the_host():
     for actual, expected in zip(outputs_and_grads(compiled, q, k, v), outputs_and_grads(attend, q, k, v)):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
     assert graphs.frame_count == 1
+
+
+def test_hugging_face_llama_compiles_whole_with_fullgraph():
+    """torch.compile(model, fullgraph=True) on the sparse route with no padding mask: one graph, forward and backward
+    against eager (issue 23, item 9: packed_documents read the positions' values, a graph break). A packed batch
+    (position_ids restart) raises when the graph runs, instead of running unpacked."""
+    model, ids = tiny_llama()
+    compiled, graphs = inductor(model, fullgraph=True)
+    for actual, expected in zip(training_step(compiled, model, ids), training_step(model, model, ids)):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1
+    packed = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)          # two documents per row
+    with pytest.raises(RuntimeError, match=r"position_ids restart \(a packed batch\) in a model compiled with "
+                                           r"torch.compile .* pass them, DataCollatorWithFlattening"):
+        torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids, position_ids=packed)  # Dynamo only
