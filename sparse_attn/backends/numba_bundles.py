@@ -155,6 +155,7 @@ class ForwardScratch(NamedTuple):
     m: np.ndarray          # (rows,) running base-2 maximum
     l: np.ndarray          # (rows,) running sum of exp2(S - m)
     lanes: np.ndarray      # (lanes,) running maxima of a row's columns, one per lane
+    hits: np.ndarray       # (width,) int64: a row's columns that get exact scores (large logits)
     panel: Panel
 
 
@@ -166,5 +167,7 @@ class BackwardScratch(NamedTuple):
     row_max: np.ndarray    # (width,) of the panel's queries, gathered from ForwardResult ...
     log2_sum: np.ndarray   # (width,)
     delta: np.ndarray      # (width,) ... and from Incoming
+    lows: np.ndarray       # (width,) per query the lowest score made exact (+inf: none; large logits) ...
+    hits: np.ndarray       # (width,) int64: ... and a row's columns that reach it
     pins: np.ndarray       # (2, width) int64: (panel column, query) of the rows whose maximum is in the block
     panel: Panel

@@ -85,8 +85,15 @@ computes S with the forward's alpha, takes ``S - m`` against the forward's exact
 exactly (``_pin_maxima``: that P is then the forward's ``1 / l``), caps ``P`` at ``1 / l``, and,
 for rows whose softmax is one-hot in the dtype (``l = 1``), forms that pair's ``dP - delta`` as
 ``dO . (v - out) + dlse`` (``_max_pair_grads``: exactly ``dlse``, where two large dot products
-would cancel to a rounding error that dq and dk multiply by ``scale |k|``). Other pairs keep the
-errors torch's own float32 softmax has.
+would cancel to a rounding error that dq and dk multiply by ``scale |k|``). In float32 rows with
+large logits (base-2 max ``|m| >= 32``, scores of 22 and more), the pairs within 12 (base 2) of the
+max get *exact* scores in both passes (``_exact_near_max``, ``_exact_near_max_t``: the products summed
+in float64, rounded once): BLAS's few ulps of a score of 1000 differ between the forward's and the
+backward's matmul shapes, so the backward's P disagreed with the forward's ``out``, ``l`` and delta,
+and dq, dk, dv carried both errors (up to 4x torch's against float64 at logits of std 100-500, and
+over 2x at std 5-25). Exact scores are also more accurate than torch's float32 ones. Pairs further
+below the max weigh under ``2 ** -12`` of it and keep BLAS's scores; rows of ordinary logits never
+look (one comparison per row).
 
 Non-finite inputs: the result is the reference's restricted to the allowed pairs: a NaN or inf in
 q, k or v reaches exactly the outputs and gradients of the pairs that meet it; an empty row stays 0,
@@ -111,7 +118,8 @@ import math
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 from numba.np.linalg import ensure_blas
 
 from ..layout import BlockLayout
@@ -121,11 +129,14 @@ from .numba_bf16 import (add_grads, add_pv, backward_operands, bits, forward_ope
                          head_backward, head_forward, probabilities, release_tiles, scores, scores_t, to_float)
 from .numba_bf16 import native as native_bf16
 from .numba_exact import exact_dk_dv, exact_dq_rows, exact_row
-from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add
+from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add, like
 
 BLOCK_SIZE = 64
 _PANEL_KEYS = 1024  # keys (or queries, in the backward) per score panel
 _LANES = 16  # running maxima per row in _row_max: one AVX-512 float32 vector
+_EXACT_FROM = 32.0  # float32 rows whose base-2 score max has at least this magnitude get exact scores ...
+_EXACT_WITHIN = 12.0  # ... for the keys within this many base-2 units of the max (P >= 2 ** -12 of the max's)
+_BLAS_MARGIN = 2.0 ** -10  # and within this fraction of |max| more: room for BLAS's rounding of the scores
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _HALF = (torch.float16, torch.bfloat16)
@@ -191,7 +202,7 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result):
             scores(ops, config.base2_scale, q, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
             t = end
         _mask_panel(s, panel.tiles, count, block_size, index.masks, False)
-        _online_softmax(s, m, l, acc, scratch.lanes, panel.blocks, block_size, result.argmax)
+        _online_softmax(s, m, l, acc, scratch, panel.blocks, block_size, result.argmax, q, k, config)
         probabilities(ops, s)
         t = 0
         while t < count:                                                         # acc += P @ v
@@ -310,22 +321,29 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _online_softmax(s, m, l, acc, lanes, blocks, block_size, argmax):
+def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, config):
     """s (rows, W) base-2 scores -> probabilities relative to the updated running max m;
     rescales the running sum l and the output accumulator acc (rows, D) accordingly, and keeps
-    in argmax the key of each row's maximum. A NaN score makes l NaN (no hiding in the max)."""
+    in argmax the key of each row's maximum. A NaN score makes l NaN (no hiding in the max).
+    Rows with large logits first get exact scores near their maximum (``_exact_near_max``, from
+    q (rows, D) and k (Nk, D)); scratch: the worker's ForwardScratch."""
     rows, width = s.shape
     for i in range(rows):
         row = s[i]
-        m_new, where = _row_max(row, m[i], lanes)
+        m_new, where = _row_max(row, m[i], scratch.lanes)
+        exact_column = -1
+        if _large_logits(m_new):
+            exact_max, exact_column = _exact_near_max(row, m_new, q[i], k, blocks, block_size, config.base2_scale,
+                                                      scratch.hits)
+            m_new = max(m[i], exact_max)
         if m_new == -np.inf:                             # nothing allowed yet in this row, or NaN
             if _has_nan(row):
                 l[i] = np.nan
             row[:] = 0
             continue
         if m_new > m[i]:                                 # a new max: its key (panel position t holds
-            j = _column_of(row, m_new, where)            # key block blocks[t] from column t * block_size)
-            argmax[i] = blocks[j // block_size] * block_size + j % block_size
+            j = exact_column if exact_column >= 0 else _column_of(row, m_new, where)  # key block blocks[t]
+            argmax[i] = blocks[j // block_size] * block_size + j % block_size         # from column t * block_size)
         alpha = exp2(m[i] - m_new)                       # NaN for m = m_new = +inf: l becomes NaN
         total = l[i] - l[i]                              # a zero of the dtype
         for j in range(width):
@@ -336,6 +354,94 @@ def _online_softmax(s, m, l, acc, lanes, blocks, block_size, argmax):
         for d in range(acc.shape[1]):
             acc[i, d] *= alpha
         m[i] = m_new
+
+
+def _large_logits(row_max):
+    """Whether a float32 row whose base-2 score maximum is ``row_max`` has large logits: |max| of
+    at least _EXACT_FROM, finite. Always False in float64 (its BLAS rounding is far below the tolerance)."""
+
+
+@overload(_large_logits)
+def _large_logits_impl(row_max):
+    if row_max == types.float32:
+        return lambda row_max: abs(row_max) >= _EXACT_FROM and abs(row_max) < np.inf
+    return lambda row_max: False
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _near_max(row_max):
+    """The lowest base-2 score of a large-logit row that gets an exact score, in row_max's dtype:
+    _EXACT_WITHIN below its max, and lower by a margin for BLAS's rounding of scores that large."""
+    return row_max - like(row_max, _EXACT_WITHIN + abs(row_max) * _BLAS_MARGIN)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _exact_near_max(row, row_max, q_i, k, blocks, block_size, alpha, hits):
+    """Forward: the scores of a panel row (W,) within _near_max of its max ``row_max`` (from BLAS),
+    recomputed by _exact_score; q_i (D,) its query, k (Nk, D); panel position t holds key block
+    blocks[t]; hits: (W,) scratch. Returns the largest exact score and its column (every score left
+    is lower: it was below _near_max)."""
+    best, column = like(row_max, -np.inf), -1
+    for e in range(_columns_at_least(row, _near_max(row_max), hits)):
+        j = hits[e]
+        row[j] = _exact_score(q_i, k[blocks[j // block_size] * block_size + j % block_size], alpha)
+        if row[j] > best:
+            best, column = row[j], j
+    return best, column
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _exact_near_max_t(st, q, k, blocks, block_size, alpha, scratch):
+    """Backward: the scores of st (cols, W) = S.T of a key block k (cols, D) against a panel of
+    queries (panel position t holds query block blocks[t]; q (Nq, D)) that the forward made exact:
+    those within _near_max of their query's max (scratch.row_max), in large-logit rows. scratch: the
+    worker's BackwardScratch (its row_max, lows and hits)."""
+    cols, width = st.shape
+    lows, hits = scratch.lows[:width], scratch.hits
+    large = 0
+    for i in range(width):
+        row_max = scratch.row_max[i]
+        lows[i] = _near_max(row_max) if _large_logits(row_max) else np.inf
+        large += lows[i] < np.inf
+    if large == 0:
+        return
+    for j in range(cols):
+        for e in range(_columns_at_least(st[j], lows, hits)):
+            i = hits[e]
+            st[j, i] = _exact_score(q[blocks[i // block_size] * block_size + i % block_size], k[j], alpha)
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _columns_at_least(row, low, hits):
+    """How many columns j of a row (W,) have row[j] >= low (a scalar, or (W,) per column); they go
+    to hits[:count], ascending (no branch: every column is written, the count moves on a hit)."""
+    count = 0
+    for j in range(row.size):
+        hits[count] = j
+        count += row[j] >= _at(low, j)
+    return count
+
+
+def _at(low, j):
+    """low[j] for an array, low itself for a scalar."""
+
+
+@overload(_at)
+def _at_impl(low, j):
+    if isinstance(low, types.Array):
+        return lambda low, j: low[j]
+    return lambda low, j: low
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _exact_score(x, y, alpha):
+    """alpha (x . y) for float32 (or bf16 bits) vectors x, y: the products exact and summed in
+    float64, rounded to alpha's dtype once. The same bits in the forward and the backward, whatever
+    the matmul shapes around them."""
+    dot = 0.0
+    for d in range(x.size):
+        dot += np.float64(to_float(x[d])) * np.float64(to_float(y[d]))
+    return like(alpha, np.float64(alpha) * dot)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -401,7 +507,7 @@ def _forward_scratch(out, rows, width, config):
     ``width`` keys, in the dtype of ``out`` (the dtype computed in)."""
     dim, dtype = out.shape[-1], out.dtype
     return ForwardScratch(np.empty(rows * width, dtype), np.empty((rows, dim), dtype), np.empty(rows, dtype),
-                          np.empty(rows, dtype), np.empty(_LANES, dtype), _panel_scratch(config))
+                          np.empty(rows, dtype), np.empty(_LANES, dtype), np.empty(width, np.int64), _panel_scratch(config))
 
 
 @njit(cache=True)
@@ -518,8 +624,9 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             scratch.log2_sum[off:off + n] = result.log2_sum[i0:i0 + n]
             scratch.delta[off:off + n] = incoming.delta[i0:i0 + n]
             t = end
-        _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, key_block.start)
         _mask_panel(st, panel.tiles, count, block_size, columns.masks, True)
+        _exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch)
+        _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, key_block.start)
         _grad_scores_t(st, dpt, scratch.row_max[:width], scratch.log2_sum[:width], scratch.delta[:width],
                        zero)                                                     # st = dS.T, dpt = P.T
         _max_pair_grads(st, dpt, scratch.pins, pinned, result, incoming, key_block)
@@ -646,8 +753,8 @@ def _backward_scratch(dq, cols, width, config):
     ``width`` queries, in the dtype of ``dq`` (the dtype computed in)."""
     dtype = dq.dtype
     return BackwardScratch(np.empty(cols * width, dtype), np.empty(cols * width, dtype), np.empty(width, dtype),
-                           np.empty(width, dtype), np.empty(width, dtype), np.empty((2, width), np.int64),
-                           _panel_scratch(config))
+                           np.empty(width, dtype), np.empty(width, dtype), np.empty(width, dtype), np.empty(width, np.int64),
+                           np.empty((2, width), np.int64), _panel_scratch(config))
 
 
 # ------------------------------------------------------------------------------------------------
