@@ -100,6 +100,9 @@ class Config(NamedTuple):
     panel_blocks: int      # blocks per panel (the backend's panel size in keys, or queries, // block_size)
     scale: np.floating     # the softmax scale, in the dtype computed in
     base2_scale: np.floating  # scale * log2(e): scores in base 2, for exp2
+    softcap: np.float64 | None   # numba_mods.ScoreModifiers: the softcap c (None: none) ...
+    slopes: np.ndarray | None    # ... ALiBi's (B or 1, Hq) slopes (None: none) ...
+    shift: int                   # ... and n_k - n_q, query row i's offset to its key position
 
 
 class ForwardResult(NamedTuple):
@@ -164,6 +167,7 @@ class BackwardScratch(NamedTuple):
 
     scores: np.ndarray     # (cols * width,) S.T, then dS.T
     dscores: np.ndarray    # (cols * width,) dP.T, then P.T
+    dcap: np.ndarray       # (cols * width,) with softcap: its derivative 1 - tanh^2 at S.T
     row_max: np.ndarray    # (width,) of the panel's queries, gathered from ForwardResult ...
     log2_sum: np.ndarray   # (width,)
     delta: np.ndarray      # (width,) ... and from Incoming

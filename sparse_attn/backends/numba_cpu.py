@@ -123,6 +123,7 @@ from numba.extending import overload
 from numba.np.linalg import ensure_blas
 
 from ..layout import BlockLayout
+from ..score_mods import NO_MODS, ScoreMods
 from .numba_bundles import (BackwardScratch, Config, ForwardResult, ForwardScratch, Gradients, Incoming, KeyBlock,
                             Panel, Segment, block_index, kv_example, query_examples, segment)
 from .numba_bf16 import (add_grads, add_pv, backward_operands, bits, forward_operands, grad_operands,
@@ -130,6 +131,7 @@ from .numba_bf16 import (add_grads, add_pv, backward_operands, bits, forward_ope
 from .numba_bf16 import native as native_bf16
 from .numba_exact import exact_dk_dv, exact_dq_rows, exact_row
 from .numba_lowlevel import FASTMATH, KERNELS, exp2, fetch_add, like
+from .numba_mods import call_modifiers, chain_softcap, head_modifiers, modified, modify, modify_t, position
 
 BLOCK_SIZE = 64
 _PANEL_KEYS = 1024  # keys (or queries, in the backward) per score panel
@@ -174,15 +176,17 @@ def _forward_worker(counter, w, qkv, ops, index, config, order, result):
         rows = slice(r * block_size, min(r * block_size + block_size, n_q))
         e = kv_example(b, k.shape[0])
         _forward_block(q[b, h, rows], k[e, h // group], v[e, h // group], head_forward(ops, w, b, e, h, h // group, rows),
-                       segment(index, b, h, r), index, config, scratch, _result_rows(result, b, h, rows))
+                       segment(index, b, h, r), index, config, scratch, _result_rows(result, b, h, rows),
+                       head_modifiers(config, b, h, rows.start))
     release_tiles(ops)
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result):
+def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, head):
     """One query block: q (rows, D); k, v (Nk, D) of its kv head; ops: their bf16 operands or None;
-    key_blocks its Segment. Steps 1-3 of the algorithm; writes result (the block's rows of the
-    ForwardResult)."""
+    key_blocks its Segment; head: the block's HeadModifiers (None without modifiers). Steps 1-3 of
+    the algorithm, each run's scores modified right after their matmul; writes result (the block's
+    rows of the ForwardResult)."""
     rows = q.shape[0]
     n_k = k.shape[0]
     block_size, panel = config.block_size, scratch.panel
@@ -200,9 +204,10 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result):
             lo, hi = _run_span(t, end, n, panel.tiles, index.spans)              # the mask sets the rest
             off = t * block_size
             scores(ops, config.base2_scale, q, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
+            modify(head, s[:, off + lo:off + hi], j0 + lo)
             t = end
         _mask_panel(s, panel.tiles, count, block_size, index.masks, False)
-        _online_softmax(s, m, l, acc, scratch, panel.blocks, block_size, result.argmax, q, k, config)
+        _online_softmax(s, m, l, acc, scratch, panel.blocks, block_size, result.argmax, q, k, config, head)
         probabilities(ops, s)
         t = 0
         while t < count:                                                         # acc += P @ v
@@ -211,11 +216,11 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result):
             off = t * block_size
             add_pv(ops, s, off + lo, off + hi, v, j0 + lo, j0 + hi, acc)
             t = end
-    _finish_rows(q, k, v, key_blocks, index.masks, config, m, l, acc, result)     # 3.
+    _finish_rows(q, k, v, key_blocks, index.masks, config, m, l, acc, result, head)  # 3.
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result):
+def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
     """Step 3: out = acc / l and the row statistics, from a block's running m, l, acc (rows, ...);
     a row with no allowed key gets 0, -inf; a row whose result is not finite goes to the exact path."""
     rows, dim = acc.shape
@@ -237,7 +242,7 @@ def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result):
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = -np.inf, np.inf, 0, -1
         else:                  # NaN or inf met, an overflow, or every score underflowed to -inf
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = exact_row(
-                i, q[i], k, v, key_blocks, masks, config, out[i])
+                i, q[i], k, v, key_blocks, masks, config, out[i], head)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -321,12 +326,12 @@ def _mask_panel(s, tiles, count, block_size, masks, transposed):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, config):
+def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, config, head):
     """s (rows, W) base-2 scores -> probabilities relative to the updated running max m;
     rescales the running sum l and the output accumulator acc (rows, D) accordingly, and keeps
     in argmax the key of each row's maximum. A NaN score makes l NaN (no hiding in the max).
     Rows with large logits first get exact scores near their maximum (``_exact_near_max``, from
-    q (rows, D) and k (Nk, D)); scratch: the worker's ForwardScratch."""
+    q (rows, D) and k (Nk, D), modified by head); scratch: the worker's ForwardScratch."""
     rows, width = s.shape
     for i in range(rows):
         row = s[i]
@@ -334,7 +339,7 @@ def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, con
         exact_column = -1
         if _large_logits(m_new):
             exact_max, exact_column = _exact_near_max(row, m_new, q[i], k, blocks, block_size, config.base2_scale,
-                                                      scratch.hits)
+                                                      scratch.hits, head, position(head, i))
             m_new = max(m[i], exact_max)
         if m_new == -np.inf:                             # nothing allowed yet in this row, or NaN
             if _has_nan(row):
@@ -376,26 +381,29 @@ def _near_max(row_max):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exact_near_max(row, row_max, q_i, k, blocks, block_size, alpha, hits):
+def _exact_near_max(row, row_max, q_i, k, blocks, block_size, alpha, hits, head, query):
     """Forward: the scores of a panel row (W,) within _near_max of its max ``row_max`` (from BLAS),
-    recomputed by _exact_score; q_i (D,) its query, k (Nk, D); panel position t holds key block
+    recomputed by _exact_score and modified by head; q_i (D,) its query at key position ``query``,
+    k (Nk, D); panel position t holds key block
     blocks[t]; hits: (W,) scratch. Returns the largest exact score and its column (every score left
     is lower: it was below _near_max)."""
     best, column = like(row_max, -np.inf), -1
     for e in range(_columns_at_least(row, _near_max(row_max), hits)):
         j = hits[e]
-        row[j] = _exact_score(q_i, k[blocks[j // block_size] * block_size + j % block_size], alpha)
+        key = blocks[j // block_size] * block_size + j % block_size
+        row[j] = modified(head, _exact_score(q_i, k[key], alpha), query - key)
         if row[j] > best:
             best, column = row[j], j
     return best, column
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _exact_near_max_t(st, q, k, blocks, block_size, alpha, scratch):
+def _exact_near_max_t(st, q, k, blocks, block_size, alpha, scratch, head, key0):
     """Backward: the scores of st (cols, W) = S.T of a key block k (cols, D) against a panel of
     queries (panel position t holds query block blocks[t]; q (Nq, D)) that the forward made exact:
     those within _near_max of their query's max (scratch.row_max), in large-logit rows. scratch: the
-    worker's BackwardScratch (its row_max, lows and hits)."""
+    worker's BackwardScratch (its row_max, lows and hits); head: the query head's HeadModifiers (key
+    block starting at key0)."""
     cols, width = st.shape
     lows, hits = scratch.lows[:width], scratch.hits
     large = 0
@@ -408,7 +416,8 @@ def _exact_near_max_t(st, q, k, blocks, block_size, alpha, scratch):
     for j in range(cols):
         for e in range(_columns_at_least(st[j], lows, hits)):
             i = hits[e]
-            st[j, i] = _exact_score(q[blocks[i // block_size] * block_size + i % block_size], k[j], alpha)
+            query = blocks[i // block_size] * block_size + i % block_size
+            st[j, i] = modified(head, _exact_score(q[query], k[j], alpha), position(head, query) - key0 - j)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -584,7 +593,7 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
                                Incoming(incoming.dout[b, h], incoming.dlse[b, h], incoming.delta[b, h]),
                                maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
                                segment(columns, b, h, c), columns, config, scratch, dq[b, h],
-                               head_backward(ops, w, b, e, h, g, keys))
+                               head_backward(ops, w, b, e, h, g, keys), head_modifiers(config, b, h, 0))
         if _finite(key_block.dk) and _finite(key_block.dv):
             continue
         for j in range(j0, j0 + key_block.k.shape[0]):
@@ -594,10 +603,11 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns, config, scratch, dq, ops):
+def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns, config, scratch, dq, ops, head):
     """One key block against one query head: adds to key_block.dk, .dv (cols, D) and to the head's
     dq (Nq, D). q (Nq, D), result and incoming: the query head's rows; maxima: its queries whose row
-    maximum is in this key block; query_blocks: the key block's Segment; ops: the bf16 operands or None."""
+    maximum is in this key block; query_blocks: the key block's Segment; ops: the bf16 operands or None;
+    head: the query head's HeadModifiers, or None (with softcap, dS of the capped scores times 1 - tanh^2)."""
     cols = key_block.k.shape[0]
     n_q = q.shape[0]
     block_size, panel, scale = config.block_size, scratch.panel, config.scale
@@ -609,6 +619,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
         width = _panel_width(panel.blocks, count, block_size, n_q)
         st = _panel(scratch.scores, cols, width)                                 # (cols, W) = S.T
         dpt = _panel(scratch.dscores, cols, width)                               # (cols, W) = dP.T
+        dcap = _panel(scratch.dcap, cols, width)                                 # (cols, W): 1 - tanh^2
         pinned, e = _panel_maxima(panel.blocks, count, block_size, maxima, e, scratch.pins)
         t = 0
         while t < count:                                                         # run by run of query blocks
@@ -618,6 +629,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             q0, q1 = i0 + lo, i0 + hi                                            # S.T with the forward's alpha
             scores_t(ops, config.base2_scale, key_block, q, incoming.dout, q0, q1, st[:, off + lo:off + hi],
                      dpt[:, off + lo:off + hi])
+            modify_t(head, st[:, off + lo:off + hi], key_block.start, q0, dcap[:, off + lo:off + hi])
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0
             scratch.row_max[off:off + n] = result.row_max[i0:i0 + n]
@@ -625,11 +637,13 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             scratch.delta[off:off + n] = incoming.delta[i0:i0 + n]
             t = end
         _mask_panel(st, panel.tiles, count, block_size, columns.masks, True)
-        _exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch)
+        _exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch, head,
+                          key_block.start)
         _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, key_block.start)
         _grad_scores_t(st, dpt, scratch.row_max[:width], scratch.log2_sum[:width], scratch.delta[:width],
                        zero)                                                     # st = dS.T, dpt = P.T
         _max_pair_grads(st, dpt, scratch.pins, pinned, result, incoming, key_block)
+        chain_softcap(head, st, dcap)
         grad_operands(ops, st, dpt, scale)
         t = 0
         while t < count:
@@ -752,9 +766,11 @@ def _backward_scratch(dq, cols, width, config):
     """A backward worker's BackwardScratch for key blocks of up to ``cols`` keys and panels of up to
     ``width`` queries, in the dtype of ``dq`` (the dtype computed in)."""
     dtype = dq.dtype
-    return BackwardScratch(np.empty(cols * width, dtype), np.empty(cols * width, dtype), np.empty(width, dtype),
-                           np.empty(width, dtype), np.empty(width, dtype), np.empty(width, dtype), np.empty(width, np.int64),
-                           np.empty((2, width), np.int64), _panel_scratch(config))
+    panel = cols * width
+    return BackwardScratch(np.empty(panel, dtype), np.empty(panel, dtype), np.empty(panel, dtype),
+                           np.empty(width, dtype), np.empty(width, dtype), np.empty(width, dtype),
+                           np.empty(width, dtype), np.empty(width, np.int64), np.empty((2, width), np.int64),
+                           _panel_scratch(config))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -826,12 +842,15 @@ def check(q, k, v, layout: BlockLayout) -> None:
         raise ValueError(f"backend='numba' needs a CPU BlockLayout, got one on {layout.device}; use layout.to('cpu')")
 
 
-def attention(q, k, v, layout: BlockLayout, scale: float):
-    """out (B, Hq, Nq, D) in q's dtype, lse (B, Hq, Nq) float32 (float64 for float64 inputs)."""
+def attention(q, k, v, layout: BlockLayout, scale: float, mods: ScoreMods = NO_MODS):
+    """out (B, Hq, Nq, D) in q's dtype, lse (B, Hq, Nq) float32 (float64 for float64 inputs). ``mods``:
+    softcap, then ALiBi, on every allowed score, inside the kernels (slopes as ``score_mods.check_mods``
+    gives them: (B or 1, Hq), contiguous)."""
     dtype = q.dtype
     if dtype in _HALF and not bf16_matmuls(q, layout.block_size):
         q, k, v = q.float(), k.float(), v.float()
-    out, lse, _, _ = numba_attention(q, k, v, *layout.index, layout.block_size, scale)
+    out, lse, _, _ = numba_attention(q, k, v, *layout.index, layout.block_size, scale, mods.softcap,
+                                     mods.alibi_slopes)
     return out.to(dtype), lse
 
 
@@ -846,10 +865,12 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor, part_idx: torch.Tensor,
                     part_mask: torch.Tensor, masks: torch.Tensor, full_t_ptr: torch.Tensor,
                     full_t_idx: torch.Tensor, part_t_ptr: torch.Tensor, part_t_idx: torch.Tensor,
-                    part_t_mask: torch.Tensor, block_size: int,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    part_t_mask: torch.Tensor, block_size: int, scale: float, softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
     """Forward kernel on float32/float64 CPU tensors, or bf16 ones where ``bf16_matmuls``: (out, lse,
-    stats, argmax), float32 for bf16.
+    stats, argmax), float32 for bf16. softcap (0: none) and alibi_slopes ((B or 1, Hq), or None) as in
+    ``score_mods.ScoreMods``.
 
     ``stats`` (2, B, Hq, Nq) and ``argmax`` (B, Hq, Nq) int64 are for the backward: each row's base-2
     score maximum and log2 of its sum, and the key holding the maximum."""
@@ -865,7 +886,8 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = block_index(full_ptr, full_idx, part_ptr, part_idx, part_mask, masks, transposed=False)
     result = ForwardResult(out.numpy(), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
     with KERNELS.running():
-        _forward((_array(q), _array(k), _array(v)), ops, rows, _config(dtype, block_size, scale), order,
+        _forward((_array(q), _array(k), _array(v)), ops, rows,
+                 _config(dtype, block_size, scale, softcap, alibi_slopes, q.shape[2], k.shape[2]), order,
                  numba.get_num_threads(), result)
     return out, lse, stats, argmax
 
@@ -885,9 +907,12 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              part_ptr: torch.Tensor, part_idx: torch.Tensor, part_mask: torch.Tensor,
                              masks: torch.Tensor, full_t_ptr: torch.Tensor, full_t_idx: torch.Tensor,
                              part_t_ptr: torch.Tensor, part_t_idx: torch.Tensor, part_t_mask: torch.Tensor,
-                             block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             block_size: int, scale: float, softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
     """Backward kernel: (dq, dk, dv) in q's dtype from dout and dlse, the gradients of out and lse;
-    lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls)."""
+    lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls); softcap and
+    alibi_slopes the forward's (the slopes get no gradient)."""
     dtype = _computed_in(q)
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
@@ -906,7 +931,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     result = ForwardResult(out.numpy(), lse.numpy(), *stats.contiguous().numpy(), argmax.contiguous().numpy())
     incoming = Incoming(dout.numpy(), dlse.numpy(), delta.numpy())
     columns = block_index(full_t_ptr, full_t_idx, part_t_ptr, part_t_idx, part_t_mask, masks, transposed=True)
-    config = _config(dtype, block_size, scale)
+    config = _config(dtype, block_size, scale, softcap, alibi_slopes, n_q, k.shape[2])
     with KERNELS.running():
         _delta(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
                dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
@@ -928,18 +953,18 @@ def _(dout, q, k, v, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *layout, block_size, scale = inputs
+    q, k, v, *layout, block_size, scale, softcap, alibi_slopes = inputs
     out, lse, stats, argmax = output
     ctx.mark_non_differentiable(stats, argmax)
-    ctx.save_for_backward(q, k, v, out, lse, stats, argmax, *layout)
-    ctx.block_size, ctx.scale = block_size, scale
+    ctx.save_for_backward(q, k, v, out, lse, stats, argmax, alibi_slopes, *layout)
+    ctx.block_size, ctx.scale, ctx.softcap = block_size, scale, softcap
 
 
 def _autograd_backward(ctx, dout, dlse, _dstats, _dargmax):
-    q, k, v, out, lse, stats, argmax, *layout = ctx.saved_tensors  # an unused lse gets zeros, never None
+    q, k, v, out, lse, stats, argmax, alibi_slopes, *layout = ctx.saved_tensors  # an unused lse gets zeros
     dq, dk, dv = numba_attention_backward(dout, q, k, v, out, lse, stats, argmax, dlse, *layout, ctx.block_size,
-                                          ctx.scale)
-    return (dq, dk, dv) + (None,) * (len(layout) + 2)
+                                          ctx.scale, ctx.softcap, alibi_slopes)
+    return (dq, dk, dv) + (None,) * (len(layout) + 4)                # layout, block_size, scale, softcap, slopes
 
 
 numba_attention.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -955,9 +980,13 @@ def _array(t: torch.Tensor) -> np.ndarray:
     return bits(t) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def _config(dtype: torch.dtype, block_size: int, scale: float) -> Config:
-    """Sizes and scales of a call, the scales in the dtype computed in (float32 stays float32)."""
-    return Config(block_size, max(1, _PANEL_KEYS // block_size), _as(dtype, scale), _as(dtype, scale * _LOG2E))
+def _config(dtype: torch.dtype, block_size: int, scale: float, softcap: float, alibi_slopes: torch.Tensor | None,
+            n_q: int, n_k: int) -> Config:
+    """Sizes, scales and score modifiers of a call of n_q queries over n_k keys, the scales in the dtype
+    computed in (float32 stays float32); without modifiers, softcap and slopes None: the kernels' own
+    specialisation."""
+    return Config(block_size, max(1, _PANEL_KEYS // block_size), _as(dtype, scale), _as(dtype, scale * _LOG2E),
+                  *call_modifiers(softcap, alibi_slopes, dtype, n_q, n_k))
 
 
 def _panel_capacity(block_size: int, n: int) -> int:

@@ -9,7 +9,8 @@ overflow where torch's do. Finite inputs never come here unless a value overflow
 
 Bundles (``qkv`` = (q, k, v), ``ForwardResult``, ``Incoming``, ``BlockIndex``, ``Config``) are
 those of ``numba_bundles``; q, k, v are float arrays, or bf16 bits (uint16) read through
-``numba_bf16.to_float``.
+``numba_bf16.to_float``. Scores carry the call's softcap and ALiBi (``numba_mods``): in float64 from the
+rounded ``scale q . k``, and in the fast path's base-2 formula where the fast backward must agree.
 """
 from __future__ import annotations
 
@@ -19,22 +20,24 @@ from numba import njit, prange
 from .numba_bf16 import to_float
 from .numba_bundles import kv_example, query_examples, segment
 from .numba_lowlevel import like
+from .numba_mods import exact_modified, exact_softcap_grad, head_modifiers, modified, position
 
 
 @njit(cache=True, fastmath=False)
-def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
+def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i, head):
     """Row i of a query block (q_i (D,); k, v (Nk, D) of its kv head; key_blocks: the block's
-    Segment) as the reference computes it over the row's allowed keys: shift = the max score (NaN if
+    Segment; head: the block's HeadModifiers, or None) as the reference computes it over the row's
+    allowed keys, with the score modifiers: shift = the max score (NaN if
     a score is NaN, 0 if it is infinite), w = exp(s - shift), out = sum(w / sum(w) * v),
     lse = shift + log(sum(w)); no key with w > 0: out 0 @ v, lse -inf. Writes out_i; returns lse and
     the row's base-2 max, log2 sum and argmax for the backward: for a row with no key (lse -inf)
     +inf, so that P = 0; for lse NaN or +inf, NaN, so that every pair of the row goes to the exact
     backward."""
-    scale = config.scale
+    scale, query = config.scale, position(head, i)
     keys = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False)
     shift, arg, nan = -np.inf, -1, False
     for j in keys:
-        s = _score(q_i, k[j], scale)
+        s = exact_modified(head, _score(q_i, k[j], scale), query - j)
         if s != s:
             nan = True
         elif s > shift:
@@ -42,11 +45,11 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
     shift = np.nan if nan else (0.0 if np.isinf(shift) else shift)
     total = 0.0
     for j in keys:
-        total += np.exp(_score(q_i, k[j], scale) - shift)
+        total += np.exp(exact_modified(head, _score(q_i, k[j], scale), query - j) - shift)
     norm = total if total != 0 else 1.0
     acc = np.zeros(out_i.size)
     for j in keys:
-        w = np.exp(_score(q_i, k[j], scale) - shift) / norm
+        w = np.exp(exact_modified(head, _score(q_i, k[j], scale), query - j) - shift) / norm
         for d in range(out_i.size):
             acc[d] += w * to_float(v[j, d])
     out_i[:] = acc
@@ -55,7 +58,7 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i):
     lse = shift + np.log(total)
     if not np.isfinite(lse):
         return lse, np.nan, 0.0, -1
-    return lse, _score(q_i, k[arg], config.base2_scale), np.log2(total), arg
+    return lse, _base2_score(q_i, k[arg], config, head, query - arg), np.log2(total), arg
 
 
 @njit(cache=True, fastmath=False)
@@ -107,21 +110,25 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
 def _pair_grads(qkv, result, incoming, config, b, h, i, j):
     """(P, dS) in float64 of the allowed pair (query i of head h, key j) of example b, as the fast
     backward forms them: P = 2 ** (min(S - row max, 0) - log2 sum), with S - row max = 0 for the
-    row's maximum, and dS = P (dO . v - delta). A row with a +inf score (lse +inf) has
-    P = exp(s) / inf, as the reference forms it (its shift is 0): NaN where exp(s) overflows in the
-    inputs' dtype, else 0."""
+    row's maximum, and dS = P (dO . v - delta), times the softcap's derivative. A row with a +inf
+    score (lse +inf) has P = exp(s) / inf, as the reference forms it (its shift is 0): NaN where
+    exp(s) overflows in the inputs' dtype, else 0."""
     q, k, v = qkv
     e, g = kv_example(b, k.shape[0]), h // (q.shape[1] // k.shape[1])
     q_i, k_j, v_j, do_i = q[b, h, i], k[e, g, j], v[e, g, j], incoming.dout[b, h, i]
+    head = head_modifiers(config, b, h, 0)
+    distance = position(head, i) - j
+    raw = _score(q_i, k_j, config.scale)
     if result.lse[b, h, i] == np.inf:
-        p = np.float64(like(config.scale, np.exp(_score(q_i, k_j, config.scale)))) / np.inf
+        p = np.float64(like(config.scale, np.exp(exact_modified(head, raw, distance)))) / np.inf
     else:
-        x = 0.0 if result.argmax[b, h, i] == j else _score(q_i, k_j, config.base2_scale) - result.row_max[b, h, i]
+        top = result.argmax[b, h, i] == j
+        x = 0.0 if top else _base2_score(q_i, k_j, config, head, distance) - result.row_max[b, h, i]
         p = np.exp2((0.0 if x > 0 else x) - result.log2_sum[b, h, i])
     dp = 0.0
     for d in range(do_i.size):
         dp += np.float64(do_i[d]) * np.float64(to_float(v_j[d]))
-    return p, p * (dp - incoming.delta[b, h, i])
+    return p, p * (dp - incoming.delta[b, h, i]) * exact_softcap_grad(head, raw)
 
 
 @njit(cache=True, fastmath=False)
@@ -146,6 +153,13 @@ def _allowed(pos, blocks, masks, block_size, n, transposed):
         else:
             part_at += 1
     return tokens[:count]
+
+
+@njit(cache=True, fastmath=False)
+def _base2_score(x, y, config, head, distance):
+    """The base-2 score of the fast path, log2(e) scale (x . y) rounded as _score rounds it, then the
+    modifiers by the fast path's formula in the dtype computed in (as the fast backward recomputes it)."""
+    return np.float64(modified(head, like(config.scale, _score(x, y, config.base2_scale)), distance))
 
 
 @njit(cache=True, fastmath=False)
