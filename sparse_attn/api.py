@@ -8,7 +8,6 @@ torch.Size([1, 2, 100, 16])
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import numbers
 
@@ -22,7 +21,7 @@ from .checks import check_bool
 from .compiler import build_layout, check_call_masks
 from .layout import BlockLayout, KernelIndex
 from .pattern import Pattern
-from .score_mods import NO_MODS, ScoreMods, add_sink, check_mods
+from .score_mods import add_sink, check_mods
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -80,21 +79,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
         layout = _layout_on(q.device, pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal,
                             key_padding_mask, global_mask, documents)
         module.check(q, k, v, layout)
-        out, lse = run_backend(module, q, k, v, layout, scale, mods)
+        out, lse = module.attention(q, k, v, layout, scale, mods)
     if sinks is not None:
         out, lse = add_sink(out, lse, sinks)
     return (out, lse) if return_lse else out
-
-
-def run_backend(module, q, k, v, layout: BlockLayout, scale: float, mods: ScoreMods = NO_MODS):
-    """``module.attention`` with the in-kernel modifiers; the call without them where there are none, until every
-    backend takes ``mods`` (a backend that does not yet says so)."""
-    if mods == NO_MODS:
-        return module.attention(q, k, v, layout, scale)
-    if "mods" not in inspect.signature(module.attention).parameters:
-        raise NotImplementedError(f"the {module.__name__.rsplit('.', 1)[-1]} backend does not run softcap or "
-                                  f"alibi_slopes yet; use backend='reference'")
-    return module.attention(q, k, v, layout, scale, mods)
 
 
 def resolve_layout(pattern, batch: int, heads: int, n_q: int, n_k: int, block_size: int, causal: bool,

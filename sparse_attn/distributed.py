@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import backends
-from .api import check_inputs, resolve_layout, resolve_scale, run_backend
+from .api import check_inputs, resolve_layout, resolve_scale
 from .checks import check_bool
 from .layout import BlockLayout
 from .pattern import Pattern
@@ -351,13 +351,13 @@ def _run(module, q, keys, values, layout: BlockLayout, calls: tuple[AlibiCall, .
     """The backend over ``layout``; with ALiBi over ``calls`` instead (rows and keys at consecutive positions),
     the calls of the same rows merged by log-sum-exp, rows no call covers 0 with lse -inf."""
     if mods.alibi_slopes is None:
-        return run_backend(module, q, keys, values, layout, scale, mods)
+        return module.attention(q, keys, values, layout, scale, mods)
     slopes = mods.alibi_slopes[:, :, None]                                             # (Bs, Hq, 1)
     by_rows: dict[tuple[int, int], list] = {}
     for c in calls:
         rows = torch.nn.functional.pad(q[:, :, c.row0:c.row1], (0, 0, 0, c.pad_rows))
         run_k, run_v = (torch.nn.functional.pad(t[:, :, c.key0:c.key1], (0, 0, 0, c.pad_keys)) for t in (keys, values))
-        out, lse = run_backend(module, rows, run_k, run_v, c.layout, scale, mods)
+        out, lse = module.attention(rows, run_k, run_v, c.layout, scale, mods)
         n = c.row1 - c.row0
         by_rows.setdefault((c.row0, c.row1), []).append((out[:, :, :n], lse[:, :, :n] - slopes * c.shift))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -135,6 +135,18 @@ def test_a_decode_step_equals_the_full_forwards_row(pattern, schedule, mods):
     assert len(cache.positions) < n                                                 # keys were evicted
 
 
+@pytest.mark.parametrize("pattern", BOUNDED[:2], ids=repr)
+def test_a_decode_step_on_numba_equals_the_full_forwards_row(pattern):
+    """The runs of held positions through the Numba kernels' softcap and ALiBi (float64: their own dtype)."""
+    chunks = SCHEDULES["straddle"]
+    n = sum(chunks)
+    q, k, v = randn(2, 4, n, 8), randn(2, 2, n, 8, seed=1), randn(2, 2, n, 8, seed=2)
+    (out, lse), (want_out, want_lse) = generate(SparseKVCache(pattern, backend="numba"), q, k, v, chunks,
+                                                **MODS["all"])
+    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-8)
+
+
 def test_a_left_padded_batch_with_modifiers_equals_each_sequence_alone():
     pattern, chunks, starts = sa.Local(7, 0) | sa.Sink(first=2), SCHEDULES["straddle"], [0, 5, 11]
     n = sum(chunks)
