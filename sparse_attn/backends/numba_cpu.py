@@ -103,13 +103,22 @@ recomputed by an exact path (``numba_exact``): the reference's formulas over the
 allowed pairs in float64, with scores rounded to the inputs' dtype so they overflow where torch's
 do. Finite inputs never take it unless a value overflows.
 
+Score modifiers (``mods``: softcap, then ALiBi; ``numba_mods``): each run's base-2 scores are modified
+in place right after their matmul, before the mask, ``x <- c log2(e) tanh(x ln2 / c) - log2(e) slope
+|i' - j|``, so the row max, its key, ``m`` and ``log2 l`` are the modified scores', and the large-logit
+exact scores are modified the same way. The backward recomputes the modified ``S.T`` so, keeps
+``1 - tanh^2`` per pair, and multiplies ``dS`` by it once ``_max_pair_grads`` is done; the exact path
+applies them in float64. Without modifiers the Config's softcap and slopes are None and the kernels
+are compiled without them (a specialisation of their own, as are softcap alone and ALiBi alone).
+
 Code
 ----
 This module: the kernels in the order above (forward, backward, scheduling), then the host side
 (the backend interface and two torch custom ops). Next to it: ``numba_bundles`` (the namedtuples
 the kernels pass: the layout's index as they walk it, sizes and scales, results, gradients,
-scratch), ``numba_bf16`` (the bf16 matmuls and operands), ``numba_exact`` (the exact path) and
-``numba_lowlevel`` (BLAS ``gemm``, ``exp2``, the atomic counter, fastmath flags, BLAS threads).
+scratch), ``numba_bf16`` (the bf16 matmuls and operands), ``numba_exact`` (the exact path),
+``numba_mods`` (softcap and ALiBi on score panels and single scores) and ``numba_lowlevel`` (BLAS
+``gemm``, ``exp2``, ``tanh``, the atomic counter, fastmath flags, BLAS threads).
 """
 from __future__ import annotations
 
