@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sparse_attn as sa
-from sparse_attn.score_mods import NO_MODS, add_sink, check_mods
+from sparse_attn.score_mods import NO_MODS, ScoreMods, add_sink, check_mods
 from tests.score_mods_oracle import oracle
 
 DOUBLE = torch.float64
@@ -225,3 +225,11 @@ def test_slopes_are_read_once_and_again_after_an_in_place_change(monkeypatch):
     slopes[2] = math.nan
     with pytest.raises(ValueError, match="alibi_slopes must be finite, got nan"):
         call(alibi_slopes=slopes)
+
+
+def test_comparing_mods_never_compares_tensor_values():
+    """``mods == NO_MODS`` is the backends' test: equal softcaps and the same slopes tensor, never values."""
+    slopes = torch.ones(1, 4)
+    assert ScoreMods(0.0, slopes) != NO_MODS and ScoreMods(0.0, slopes) == ScoreMods(0.0, slopes)
+    assert ScoreMods(0.0, slopes) != ScoreMods(0.0, slopes.clone()) and ScoreMods() == NO_MODS
+    assert len({ScoreMods(), NO_MODS}) == 1
