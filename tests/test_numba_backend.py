@@ -434,8 +434,8 @@ def test_half_inputs_compute_in_float32(dtype, monkeypatch):
 
 def test_pattern_argument_uses_block_size_64(monkeypatch):
     seen, run = [], numba_cpu.attention
-    monkeypatch.setattr(numba_cpu, "attention", lambda q, k, v, layout, scale: (seen.append(layout.block_size),
-                                                                               run(q, k, v, layout, scale))[1])
+    monkeypatch.setattr(numba_cpu, "attention", lambda q, k, v, layout, *args: (seen.append(layout.block_size),
+                                                                               run(q, k, v, layout, *args))[1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 150, 16, generator=gen)
     out = sparse_attention(q, q, q, sa.Local(30), backend="numba")
