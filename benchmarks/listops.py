@@ -40,7 +40,8 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -509,6 +510,10 @@ def markdown(record: dict) -> str:
              f"layers, averaged over the lengths of the first {min(FLOPS_EXAMPLES, test['examples'])} test examples; "
              f"allowed = 4 x head_dim per allowed pair and head, computed = the same over every pair of the 64 x 64 "
              f"blocks the kernels compute. Peak MB: beyond what the process held before training.")
+    shared = max((row.get("concurrent_runs", 1) for row in record["rows"]), default=1)
+    if shared > 1:
+        notes += (f" Up to {shared} runs went at a time, each in its own process on the same device with its share "
+                  f"of the CPUs, so train s and test s are wall times under that sharing.")
     lines = ["# ListOps (Long Range Arena) with sparse_attn's patterns", "", *setup_lines(record), "",
              *table_lines(record), "", notes, "", "## Targets (issue 28)", "", *targets(record), "",
              "![accuracy against attention FLOPs](listops.png)"]
@@ -567,6 +572,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="replace the recipe's steps")
     parser.add_argument("--train", type=int, help="replace the recipe's training examples")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="(pattern, seed) runs at a time, each in its own process with its share of the CPUs "
+                             "(on a GPU the tiny model leaves it mostly idle; wall times are then shared)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     again = parser.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="keep the rows in --out's listops.json, run the rest")
@@ -593,23 +601,41 @@ def main() -> None:
               "recipe_name": name, "recipe": setup["recipe"], "device": device, "meta": setup,
               "data": {split: distribution(d) for split, d in data.items()}, "rows": rows}
     done = {(row["pattern"], row["seed"]) for row in rows}
-    for pattern in args.patterns:
-        seeds = [seed for seed in args.seeds if (pattern, seed) not in done]
-        if len(seeds) < len(args.seeds):
-            print(f"{pattern}: seeds {sorted(set(args.seeds) - set(seeds))} are in {path} already", flush=True)
-        if not seeds:
-            continue
-        flops = attention_flops(PATTERNS[pattern][0], data["test"].lengths[:FLOPS_EXAMPLES], recipe)
-        for seed in seeds:
-            try:
-                row = run_one(pattern, seed, data, recipe, device) | {"flops": flops}
-            except (RuntimeError, ValueError) as error:
-                row = {"pattern": pattern, "seed": seed, "error": error_text(error)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            where["loadavg_after"] = machine.load_average()
-            write_results(args.out, "listops", record, markdown, {"listops.png": figure})
+    todo = [(pattern, seed) for pattern in args.patterns for seed in args.seeds if (pattern, seed) not in done]
+    for pattern, seed in sorted(done):
+        print(f"{pattern} seed {seed} is in {path} already", flush=True)
+    flops = {pattern: attention_flops(PATTERNS[pattern][0], data["test"].lengths[:FLOPS_EXAMPLES], recipe)
+             for pattern in {pattern for pattern, _ in todo}}
+    for row in finished_runs(todo, data, recipe, device, args.jobs):
+        row = row if "error" in row else row | {"flops": flops[row["pattern"]], "concurrent_runs": args.jobs}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        where["loadavg_after"] = machine.load_average()
+        write_results(args.out, "listops", record, markdown, {"listops.png": figure})
     print(markdown(record))
+
+
+def finished_runs(todo: list[tuple[str, int]], data: dict[str, Split], recipe: Recipe, device: str, jobs: int):
+    """Each (pattern, seed)'s row as it finishes (an ``error`` row for one that raised): in this process one
+    after another, or ``jobs`` at a time in processes of their own, each given ``cpus() // jobs`` threads."""
+    if jobs <= 1:
+        for pattern, seed in todo:
+            yield guarded_run(pattern, seed, data, recipe, device, machine.cpus())
+        return
+    threads = max(1, machine.cpus() // jobs)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(guarded_run, pattern, seed, data, recipe, device, threads) for pattern, seed in todo]
+        for future in as_completed(futures):
+            yield future.result()
+
+
+def guarded_run(pattern: str, seed: int, data: dict[str, Split], recipe: Recipe, device: str, threads: int) -> dict:
+    """``run_one`` with ``threads`` torch threads; a run that raises gives a row naming its error."""
+    torch.set_num_threads(threads)
+    try:
+        return run_one(pattern, seed, data, recipe, device)
+    except (RuntimeError, ValueError) as error:
+        return {"pattern": pattern, "seed": seed, "error": error_text(error)}
 
 
 if __name__ == "__main__":

@@ -42,11 +42,13 @@ _POPCOUNT = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).sum(1
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
 def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None, documents=None,
-                 cache: bool = True, batch: int | None = None) -> BlockLayout:
+                 cache: bool = True, batch: int | None = None,
+                 classes: DocumentClassCache | None = None) -> BlockLayout:
     """What :meth:`Pattern.layout` returns. Layouts are cached, call-time masks and documents by their values,
     so every layer of a model called with the same padding shares one layout; ``cache=False`` builds anew
     (what a benchmark of the build times). ``batch``: the batch the masks and documents must have (the
-    inputs' in ``sparse_attention``; None: any, the same for all).
+    inputs' in ``sparse_attention``; None: any, the same for all). ``classes``: where classified documents are
+    kept between calls (default: ``DOCUMENT_CLASSES``, or none with ``cache=False``).
 
     Under ``torch.compile`` this is a graph break; for ``fullgraph=True`` build the layout outside
     the compiled function and pass it to ``sparse_attention``.
@@ -60,13 +62,17 @@ def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, bloc
     global_mask, key_padding_mask = _mask_values("global_mask", global_mask), _mask_values("key_padding_mask",
                                                                                             key_padding_mask)
     documents = _Documents.of(documents)
+    if classes is None:
+        classes = DOCUMENT_CLASSES if cache else DocumentClassCache(budget=2**62)   # one call's, unbounded
     if not cache:
-        return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
+        return _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents,
+                        classes)
     call_data = (_Mask.of(global_mask), _Mask.of(key_padding_mask), documents)
     key = (pattern, n_q, n_k, heads, block_size, causal, call_data)
     layout = LAYOUT_CACHE.get(key)
     if layout is None:
-        layout = _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents)
+        layout = _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask, documents,
+                          classes)
         LAYOUT_CACHE.put(key, layout, None if call_data == (None, None, None) else call_data)
     return layout
 
@@ -257,16 +263,72 @@ def layout_bytes(layout: BlockLayout) -> int:
 LAYOUT_CACHE = LayoutCache(budget=256 << 20)  # what build_layout keeps; set LAYOUT_CACHE.budget to change it
 
 
+class DocumentClassCache:
+    """Classified documents (a class's blocks and tiles, see ``_document_blocks``) kept across calls, least
+    recently used out first past ``budget`` bytes. A packed training run meets the same document lengths
+    batch after batch: each (pattern, head, causal, block, length, offset, own global tokens and padding)
+    is classified once, and the next batches only translate its blocks.
+
+    >>> import sparse_attn as sa
+    >>> cache = DocumentClassCache(budget=1 << 20)
+    >>> docs = torch.tensor([[0] * 100 + [1] * 156])
+    >>> first = build_layout(sa.Local(8), 256, documents=docs, cache=False, classes=cache)
+    >>> again = build_layout(sa.Local(8), 256, documents=docs.flip(1), cache=False, classes=cache)
+    >>> len(cache), cache.hits                       # two lengths classified once, found again in the flipped call
+    (2, 2)
+    """
+
+    ENTRY_BYTES = 1 << 10  # a class's tuple and array objects
+
+    def __init__(self, budget: int):
+        self._entries: OrderedDict[tuple, tuple[tuple, int]] = OrderedDict()  # latest last
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        self.budget = check_int("budget", budget, 0)
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> tuple | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key: tuple, value: tuple) -> None:
+        with self._lock:
+            size = sum(a.nbytes for a in value) + self.ENTRY_BYTES
+            old = self._entries.pop(key, None)
+            self._nbytes += size - (old[1] if old else 0)
+            self._entries[key] = (value, size)
+            while self._nbytes > self.budget and len(self._entries) > 1:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._nbytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = self.hits = 0
+
+
+DOCUMENT_CLASSES = DocumentClassCache(budget=64 << 20)  # what build_layout keeps of classified documents
+
+
 def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask,
-             documents: _Documents | None) -> BlockLayout:
-    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None."""
+             documents: _Documents | None, classes: DocumentClassCache) -> BlockLayout:
+    """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None; ``classes``: the
+    classified documents to reuse and add to."""
     # a block_size beyond both lengths means one block a side, as a block of max(n_q, n_k) does: compile
     # with that, so no cost and no intermediate depends on how large block_size is
     step = min(block_size, max(n_q, n_k))
     batch = next((m.shape[0] for m in (global_mask, key_padding_mask) if m is not None),
                  None if documents is None else documents.batch)
     n_heads = heads if pattern.head_dependent else 1
-    tables, tiles, classes = [], [], {}                 # classes: the document classes classified so far
+    tables, tiles = [], []
     for b in range(batch or 1):
         positions = None if global_mask is None else global_mask[b]
         padding = None if key_padding_mask is None else key_padding_mask[b]
@@ -364,14 +426,15 @@ def _blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, 
     return keys[keep], full[keep], tile[keep], np.packbits(tiles[keep_tile], axis=-1), cut[keep] > 0
 
 
-def _document_blocks(pattern, head: int, causal: bool, groups: list, spans: Spans, n: int, step: int, classes: dict):
+def _document_blocks(pattern, head: int, causal: bool, groups: list, spans: Spans, n: int, step: int,
+                     classes: DocumentClassCache):
     """Blocks of one (example, head) of packed documents (``groups``: the example's ``_document_classes``):
     keys, full flags, tile ids, tiles (as ``_blocks_and_tiles``).
 
     Each document is resolved as a sequence of its own length (with its own global tokens and padding)
     and classified in a block grid offset by where it starts in its first block. Documents of equal
     length and offset have the same blocks up to a translation by whole blocks, so a class of them is
-    classified once (``classes`` keeps the classes of earlier examples) and its blocks are translated to
+    classified once (``classes`` keeps the classes of earlier examples and calls) and its blocks are translated to
     every member. A block that lies inside one document is that document's; a block cut by a document's
     ends is the union of the parts of every document in it (only diagonal blocks hold several), merged
     from the parts' tiles and then classified against the block's area.
@@ -380,9 +443,11 @@ def _document_blocks(pattern, head: int, causal: bool, groups: list, spans: Span
     pool, out, cut_keys, cut_tiles = [], [], [], []       # tiles; uncut (keys, full, tile); cut parts
     n_pool = 0
     for key, members in groups:
-        if (head, key) not in classes:
-            classes[head, key] = _document_class(pattern, head, causal, key, step)
-        keys, full, tile, tiles, cut = classes[head, key]
+        found = classes.get((pattern, head, causal, step, key))
+        if found is None:
+            found = _document_class(pattern, head, causal, key, step)
+            classes.put((pattern, head, causal, step, key), found)
+        keys, full, tile, tiles, cut = found
         per_side = ceil_div(key[0] + key[1], step)
         first = spans.start[members] // step                                      # (m,) first block of each
         shifted = (first[:, None] + keys // per_side) * n_kb + first[:, None] + keys % per_side   # (m, k)

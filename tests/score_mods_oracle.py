@@ -43,8 +43,8 @@ def oracle(q, k, v, mask, scale, softcap=None, alibi_slopes=None, sinks=None):
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
         slope = alibi_slopes.double().reshape(-1, q_heads)[:, :, None, None]      # (B or 1, Hq, 1, 1)
-        i = torch.arange(n_q)[:, None] + (n_k - n_q)
-        j = torch.arange(n_k)[None, :]
+        i = torch.arange(n_q, device=s.device)[:, None] + (n_k - n_q)
+        j = torch.arange(n_k, device=s.device)[None, :]
         s = s - slope * (i - j).abs().double()
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:                       # one more "key" per row: logit sink_h, value 0

@@ -235,14 +235,16 @@ def test_without_modifiers_the_kernels_compile_as_before():
     assert (both["HAS_SOFTCAP"], both["HAS_ALIBI"]) == (True, True)
 
 
-@pytest.mark.parametrize("slopes, why", [(torch.ones(1, 2, dtype=torch.float64), "float64"),
-                                         (torch.ones(2), r"\(2,\)"), (torch.ones(1, 3), r"\(1, 3\)"),
-                                         (torch.ones(2, 1).expand(2, 2).t(), "contiguous=False")])
-def test_slopes_the_kernels_would_misread_are_refused(slopes, why):
-    """Called directly (sparse_attention normalises them first), the backend refuses slopes it cannot read."""
+@pytest.mark.parametrize("make, why", [(lambda: torch.ones(1, 2, dtype=torch.float64, device=DEVICE), "float64"),
+                                       (lambda: torch.ones(2, device=DEVICE), r"\(2,\)"),
+                                       (lambda: torch.ones(1, 3, device=DEVICE), r"\(1, 3\)"),
+                                       (lambda: torch.ones(2, 1, device=DEVICE).expand(2, 2).t(), "contiguous=False")])
+def test_slopes_the_kernels_would_misread_are_refused(make, why):
+    """Called directly (sparse_attention normalises them first), the backend refuses slopes it cannot read (made
+    on DEVICE: a copy to CUDA would make the transposed expand contiguous)."""
     q, k, v, layout = case_inputs("kv-batch-1")
     with pytest.raises(ValueError, match=f"contiguous float32.*{why}.*check_mods"):
-        triton_gpu.attention(q, k, v, layout, SCALE, ScoreMods(0.0, slopes.to(DEVICE)))
+        triton_gpu.attention(q, k, v, layout, SCALE, ScoreMods(0.0, make()))
 
 
 # ------------------------------------------------------------------------------------------------
