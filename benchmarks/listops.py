@@ -192,6 +192,23 @@ def distribution(split: Split) -> dict:
             "labels": np.bincount(split.labels, minlength=CLASSES).tolist()}
 
 
+def root_operator_rule(train: Split, test: Split) -> float:
+    """The test accuracy of a rule that reads one token: answer, for the expression's root operator, the label
+    most common under that operator in training (MIN -> 0, MAX -> 9, ...). A model that learned only this
+    much scores about the same, whatever its attention reaches.
+
+    >>> train = Split([np.array([11, 1, 15]), np.array([12, 9, 15])], np.array([0, 9]))   # [MIN 0 ], [MAX 8 ]
+    >>> root_operator_rule(train, train)
+    1.0
+    """
+    rule = {}
+    for root in np.unique([t[0] for t in train.tokens]):
+        under = train.labels[[t[0] == root for t in train.tokens]]
+        rule[root] = np.bincount(under, minlength=CLASSES).argmax()
+    answers = np.array([rule.get(t[0], 0) for t in test.tokens])
+    return float((answers == test.labels).mean())
+
+
 def distribution_text(name: str, info: dict) -> str:
     bars = "  ".join(f"{span}: {count}" for span, count in info["histogram"].items())
     return (f"{name}: {info['examples']:,} examples, length mean {info['mean']:.0f}, min {info['min']}, median "
@@ -506,7 +523,8 @@ def markdown(record: dict) -> str:
     spent = sum(row["train_s"] + row["eval_s"] for row in record["rows"] if "error" not in row)
     notes = (f"Training and testing took {spent / 60:.1f} min in all (train s, test s: the mean over seeds; test s "
              f"includes the validation set). Always answering the test set's most common label scores "
-             f"{max(test['labels']) / test['examples']:.1%}. GFLOPs: one forward pass over one test example, all "
+             f"{max(test['labels']) / test['examples']:.1%}; answering each root operator's most common training "
+             f"label (a rule that reads the first token alone) scores {record['root_operator_rule']:.2%}. GFLOPs: one forward pass over one test example, all "
              f"layers, averaged over the lengths of the first {min(FLOPS_EXAMPLES, test['examples'])} test examples; "
              f"allowed = 4 x head_dim per allowed pair and head, computed = the same over every pair of the 64 x 64 "
              f"blocks the kernels compute. Peak MB: beyond what the process held before training.")
@@ -537,6 +555,8 @@ def figure(record: dict, path: Path) -> None:
     ax.plot([], [], "x", color="gray", label="LRA Table 1, at this run's FLOPs")
     majority = 100 * max(record["data"]["test"]["labels"]) / record["data"]["test"]["examples"]
     ax.axhline(majority, color="gray", linestyle=":", label="most common label")
+    ax.axhline(100 * record["root_operator_rule"], color="gray", linestyle="--",
+               label="root operator's most common label")
     ax.set(xscale="log", xlabel="attention GFLOPs per example (forward, allowed pairs)", ylabel="test accuracy %",
            title=f"ListOps, recipe {record['recipe_name']} ({record['device']})")
     ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
@@ -599,7 +619,8 @@ def main() -> None:
     data = load_data(recipe)
     record = {"command": " ".join(["python benchmarks/listops.py", *sys.argv[1:]]), "machine": where,
               "recipe_name": name, "recipe": setup["recipe"], "device": device, "meta": setup,
-              "data": {split: distribution(d) for split, d in data.items()}, "rows": rows}
+              "data": {split: distribution(d) for split, d in data.items()},
+              "root_operator_rule": root_operator_rule(data["train"], data["test"]), "rows": rows}
     done = {(row["pattern"], row["seed"]) for row in rows}
     todo = [(pattern, seed) for pattern in args.patterns for seed in args.seeds if (pattern, seed) not in done]
     for pattern, seed in sorted(done):
