@@ -56,6 +56,7 @@ NO_MODS = ScoreMods()
 # alibi_slopes tensors found finite -> their version then: a layer's slopes on a GPU are read (a host sync) once,
 # not at every call, and again after an in-place change
 _FINITE = WeakIdKeyDictionary()
+MAX_SLOPE = 1e30  # |slope| at most this: x a distance below 2^28 tokens stays under float32's 3.4e38
 
 
 def check_mods(q: torch.Tensor, softcap=None, alibi_slopes=None, sinks=None) -> tuple[ScoreMods, torch.Tensor | None]:
@@ -107,6 +108,11 @@ def _check_slopes(slopes, q: torch.Tensor) -> torch.Tensor | None:
         if not torch.isfinite(slopes).all():
             bad = slopes[~torch.isfinite(slopes)][0].item()
             raise ValueError(f"alibi_slopes must be finite, got {bad} among {slopes.tolist()}")
+        if (slopes.abs() > MAX_SLOPE).any():
+            bad = slopes[slopes.abs() > MAX_SLOPE][0].item()
+            raise ValueError(f"alibi_slopes must be at most {MAX_SLOPE:g} in size (slope x distance must stay finite "
+                             f"in float32), got {bad:g}; ALiBi's slopes are 2^-8/H .. 2^-8, and a slope this large "
+                             f"only masks every other key: use the pattern for that")
         _FINITE[slopes] = slopes._version
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return slopes.detach().to(dtype).reshape(-1, heads).contiguous()

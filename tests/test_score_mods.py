@@ -198,6 +198,8 @@ def call(**kwargs):
     ({"alibi_slopes": torch.ones(3, 4)}, ValueError, r"alibi_slopes must have shape .*got \(3, 4\)"),
     ({"alibi_slopes": torch.tensor([0.5, math.inf, 0.1, 0.1])}, ValueError, "alibi_slopes must be finite, got inf"),
     ({"alibi_slopes": torch.tensor([0.5, 0.1, math.nan, 0.1])}, ValueError, "alibi_slopes must be finite, got nan"),
+    ({"alibi_slopes": torch.tensor([0.5, 0.1, -2e30, 0.1])}, ValueError,
+     r"alibi_slopes must be at most 1e\+30 in size .*got -2e\+30; ALiBi's slopes"),
     ({"alibi_slopes": torch.ones(4, requires_grad=True)}, ValueError,
      r"alibi_slopes get no gradient .* pass alibi_slopes.detach\(\)"),
     ({"alibi_slopes": torch.ones(4, device="meta")}, ValueError,
