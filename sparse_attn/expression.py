@@ -12,9 +12,10 @@ sparse_attn.expression.PatternTextError: pattern expression: '__import__' is not
 Which of the three a text is: a path ending in ``.toml``, or one with a ``/`` and no call in it,
 is a file; a bare name (``bigbird-itc``) that is not a constructor is a preset; anything else is an
 expression. Expressions are parsed with ``ast`` and evaluated by walking the tree, never with
-``eval``: calls to ``CONSTRUCTORS``, int/str/bool constants, lists/tuples, keyword arguments,
-unary minus, ``|``, ``&`` and ``~`` (complement). Chains such as ``a | b | c | ...`` and ``~~~p`` are
-evaluated without recursion, so thousands of operands work.
+``eval``: calls to ``CONSTRUCTORS`` (every class in ``pattern.KINDS`` and the named constructors of
+``presets``), int/str/bool constants, lists/tuples, keyword arguments, unary minus, ``|``, ``&`` and
+``~`` (complement). Chains such as ``a | b | c | ...`` and ``~~~p`` are evaluated without recursion, so
+thousands of operands work.
 
 >>> parse_pattern("Local(4) & ~Global(first=1)")[0]
 Local(4) & ~Global(first=1)
@@ -33,13 +34,11 @@ import os
 import re
 
 from . import presets
-from .pattern import Blocks, Causal, Complement, Dense, Dilated, Global, Local, Pattern, PerHead, Random, Sink, Stride
+from .pattern import KINDS, Pattern, PerHead
 
-CONSTRUCTORS = {
-    "Local": Local, "Stride": Stride, "Dilated": Dilated, "Global": Global, "Sink": Sink, "Random": Random,
-    "Causal": Causal, "Dense": Dense, "Blocks": Blocks, "PerHead": PerHead, "longformer": presets.longformer,
-    "bigbird": presets.bigbird, "sparse_transformer": presets.sparse_transformer, "streaming": presets.streaming,
-    "preset": presets.preset,
+CONSTRUCTORS = {  # every pattern kind by its class name, then the named constructors of presets.py
+    **{cls.__name__: cls for cls in KINDS.values()}, "longformer": presets.longformer, "bigbird": presets.bigbird,
+    "sparse_transformer": presets.sparse_transformer, "streaming": presets.streaming, "preset": presets.preset,
 }
 _NAME = re.compile(r"[A-Za-z][\w-]*")    # a preset name (or a benchmark label), never an expression or a path
 _BAD_ARGUMENT = (ValueError, TypeError, OverflowError, MemoryError, RecursionError)  # what bad sizes or patterns raise
@@ -72,7 +71,8 @@ def parse_pattern(text: str, named: dict[str, str] | None = None) -> tuple[Patte
 def per_head_count(pattern: Pattern) -> int | None:
     """The number of heads a ``PerHead`` inside ``pattern`` asks for, None without one.
 
-    >>> per_head_count(PerHead([Local(1), Dense()]) | Global(first=1))
+    >>> import sparse_attn as sa
+    >>> per_head_count(sa.PerHead([sa.Local(1), sa.Dense()]) | sa.Global(first=1))
     2
     """
     lengths, stack = set(), [pattern]
@@ -80,8 +80,7 @@ def per_head_count(pattern: Pattern) -> int | None:
         node = stack.pop()
         if isinstance(node, PerHead):
             lengths.add(len(node.patterns))
-        stack.extend(getattr(node, "patterns", ()))      # the members of PerHead, | and &
-        stack.extend([node.pattern] if isinstance(node, Complement) else [])
+        stack.extend(node.children)
     return lengths.pop() if len(lengths) == 1 else None  # several lengths: the layout says which is wrong
 
 

@@ -24,6 +24,14 @@ Imports run one way: this module imports ``rules`` (``mask`` resolves the spec t
 ``mask_mod()`` only, ``flex`` (the FlexAttention predicate); none of them imports this module. Rules
 and ``flex`` read a spec's ``kind`` tag and its public fields.
 
+``KINDS`` lists the pattern kinds once: a class with a ``kind`` tag registers itself there when it is
+defined. ``from_dict``, pattern text (``expression.CONSTRUCTORS``) and the tests read it; the code that
+means something per kind is keyed by the tag (``rules.RESOLVERS``, ``flex.BUILDERS``,
+``retention.ANALYSES``), and ``tests/test_pattern_kinds.py`` checks that every kind has each of them.
+
+>>> KINDS["local"] is Local, list(KINDS)[-2:]
+(True, ['complement', 'per_head'])
+
 Arguments are Python ints of any size (resolving clamps them to the sequence). Combinators nest at
 most ``MAX_DEPTH`` levels, which keeps every tree walk (``==``, ``repr``, pickling, resolving) far
 from Python's recursion limit.
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -46,6 +55,8 @@ if TYPE_CHECKING:
     from .layout import BlockLayout
 
 MAX_DEPTH = 64          # nested levels of |, &, ~ and PerHead (chains of | or & are flattened, not nested)
+_KINDS: dict[str, type[Pattern]] = {}
+KINDS = types.MappingProxyType(_KINDS)  # every pattern kind: its ``kind`` tag -> its class, in definition order
 
 
 def _set_int(spec: Pattern, field: str, minimum: int | None = None) -> None:
@@ -78,13 +89,12 @@ class Pattern:
     """
 
     kind: ClassVar[str]  # the serialisation tag ("local", "union", ...), which rules dispatch on
-    _registry: ClassVar[dict[str, type[Pattern]]] = {}
     _depth: ClassVar[int] = 0  # combinator levels in this pattern (set per instance on combinators)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:
-            Pattern._registry[cls.kind] = cls
+            _KINDS[cls.kind] = cls
 
     # --- algebra -------------------------------------------------------------------------------
     def __or__(self, other: Pattern) -> Pattern:
@@ -171,7 +181,17 @@ class Pattern:
     @property
     def head_dependent(self) -> bool:
         """True when heads may differ (PerHead or Random inside), so layouts store every head."""
-        return any(child.head_dependent for child in self._children())
+        return any(child.head_dependent for child in self.children)
+
+    @property
+    def children(self) -> tuple[Pattern, ...]:
+        """The patterns this one combines: the members of ``|``, ``&`` and ``PerHead``, the pattern of ``~``;
+        ``()`` for the other kinds.
+
+        >>> (Local(1) | ~Causal()).children
+        (Local(1), ~Causal())
+        """
+        return ()
 
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -211,14 +231,10 @@ class Pattern:
         """A field's default; ``after`` defaults to ``before`` (symmetric windows)."""
         return self.before if f.name == "after" else _field_default(f)
 
-    def _children(self) -> tuple[Pattern, ...]:
-        return ()
-
     def check_heads(self, heads: int) -> None:
         check_int("heads", heads, 1)
-        for child in self._children():
+        for child in self.children:
             child.check_heads(heads)
-
 
 
 def _field_default(f: dataclasses.Field):
@@ -234,9 +250,9 @@ def _from_dict(d: dict, level: int) -> Pattern:
     if not isinstance(d, dict) or "type" not in d:
         raise ValueError(f"a pattern dict needs a 'type' key, got {d!r}")
     kind = d["type"]
-    cls = Pattern._registry.get(kind) if isinstance(kind, str) else None
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown pattern type {kind!r}; expected one of {sorted(Pattern._registry)}")
+        raise ValueError(f"unknown pattern type {kind!r}; expected one of {sorted(KINDS)}")
     kwargs = {}
     for key, value in d.items():
         if key == "type":
@@ -612,7 +628,8 @@ class _Combination(Pattern):
         parts = [f"({p!r})" if isinstance(p, _Combination) else repr(p) for p in self.patterns]
         return f" {self._symbol} ".join(parts)
 
-    def _children(self):
+    @property
+    def children(self) -> tuple[Pattern, ...]:
         return self.patterns
 
 
@@ -666,7 +683,8 @@ class Complement(Pattern):
         inner = repr(self.pattern)
         return f"~({inner})" if isinstance(self.pattern, _Combination) else f"~{inner}"
 
-    def _children(self):
+    @property
+    def children(self) -> tuple[Pattern, ...]:
         return (self.pattern,)
 
 
@@ -696,7 +714,8 @@ class PerHead(Pattern):
     def head_dependent(self) -> bool:
         return True
 
-    def _children(self):
+    @property
+    def children(self) -> tuple[Pattern, ...]:
         return self.patterns
 
     def check_heads(self, heads):

@@ -37,23 +37,22 @@ still reachable. :meth:`Retention.kept` is exact where the pattern is built from
 ``Sink``, ``Global``, ``Causal`` and ``Dense`` with ``|``, ``&`` and ``PerHead``: it then drops every
 key that no future query attends (minimal); elsewhere it returns the stored superset (safe).
 
-Imports run one way: this module imports ``rules`` and ``checks``; neither imports it.
+``ANALYSES`` holds both per kind, for every kind in ``pattern.KINDS``: a kind without an entry is a
+``TypeError``, never a silent guess.
+
+Imports run one way: this module imports ``pattern`` (``check_pattern``), ``rules`` (``kept`` resolves
+the pattern) and ``checks``; none of them imports it. ``kv_cache`` imports it.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from .checks import check_int
 from .pattern import check_pattern
 from .rules import Context, resolve
-
-# kinds whose rules are monotone in the query position (windows that only move forward, fixed
-# columns, global rows): the union of what queries >= t reach is what the query at t and the global
-# queries after t reach, so kept() can evaluate exactly that
-_EXACT_KINDS = frozenset({"local", "sink", "global", "causal", "dense", "union", "intersection", "per_head"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +138,7 @@ def retention(pattern, heads: int | None = None) -> Retention:
 
 
 def _exact(spec) -> bool:
-    return spec.kind in _EXACT_KINDS and all(_exact(p) for p in _children(spec))
+    return _analysis(spec).exact and all(_exact(p) for p in spec.children)
 
 
 def _heads_named(spec) -> int:
@@ -147,22 +146,26 @@ def _heads_named(spec) -> int:
         return len(spec.patterns)
     if spec.kind == "blocks" and spec.blocks.ndim == 3:          # a grid per head
         return spec.blocks.shape[0]
-    return max((_heads_named(p) for p in _children(spec)), default=1)
-
-
-def _children(spec) -> tuple:
-    return getattr(spec, "patterns", ()) or ((spec.pattern,) if spec.kind == "complement" else ())
+    return max((_heads_named(p) for p in spec.children), default=1)
 
 
 def _global_rows(spec) -> tuple[int, ...]:
     """Positions of the global queries (``Global``'s tokens and first tokens) anywhere in the tree."""
     if spec.kind == "global":
         return tuple(sorted(set(spec.tokens) | set(range(spec.first))))
-    return tuple(sorted(set().union(*(_global_rows(p) for p in _children(spec)))))
+    return tuple(sorted(set().union(*(_global_rows(p) for p in spec.children))))
+
+
+def _analysis(spec) -> KindAnalysis:
+    if spec.kind not in ANALYSES:
+        raise TypeError(f"no retention for {type(spec).__name__} (kind {spec.kind!r}): a pattern kind needs an entry "
+                        f"in sparse_attn.retention.ANALYSES (its bound, and whether kept() may evaluate it); known "
+                        f"kinds are {sorted(ANALYSES)}")
+    return ANALYSES[spec.kind]
 
 
 def _analyse(spec) -> _Bound:
-    return _ANALYSES.get(spec.kind, _unbounded)(spec)
+    return _analysis(spec).bound(spec)
 
 
 def _unbounded(spec) -> _Bound:
@@ -216,7 +219,25 @@ def _intersection(spec) -> _Bound:
                   dense_until=min(m.dense_until for m in bounded))
 
 
-_ANALYSES: dict[str, Callable[[object], _Bound]] = {
-    "local": _local, "dilated": _dilated, "sink": _sink, "global": _global,
-    "union": _union, "per_head": _union, "intersection": _intersection,
+class KindAnalysis(NamedTuple):
+    """How retention reads one pattern kind.
+
+    bound: the kind's :class:`_Bound` (an unbounded one names the reason).
+    exact: whether its rule is monotone in the query position (windows that only move forward, fixed
+           columns, global rows), so that what the queries >= t reach is what the query at t and the
+           global queries after t reach, and ``kept()`` can evaluate exactly that.
+    """
+
+    bound: Callable[[object], _Bound]
+    exact: bool
+
+
+ANALYSES: dict[str, KindAnalysis] = {  # a spec's ``kind`` -> how retention reads it; every kind has one
+    "local": KindAnalysis(_local, exact=True), "stride": KindAnalysis(_unbounded, exact=False),
+    "dilated": KindAnalysis(_dilated, exact=False), "global": KindAnalysis(_global, exact=True),
+    "sink": KindAnalysis(_sink, exact=True), "causal": KindAnalysis(_unbounded, exact=True),
+    "dense": KindAnalysis(_unbounded, exact=True), "random": KindAnalysis(_unbounded, exact=False),
+    "blocks": KindAnalysis(_unbounded, exact=False), "union": KindAnalysis(_union, exact=True),
+    "intersection": KindAnalysis(_intersection, exact=True), "complement": KindAnalysis(_unbounded, exact=False),
+    "per_head": KindAnalysis(_union, exact=True),
 }

@@ -36,7 +36,7 @@ imports pattern.py. It reads a spec's ``kind`` tag and public fields only, and l
 ``RESOLVERS``, so the user's classes carry no evaluation code and rules can never be combined,
 serialised or passed where a Pattern is expected. A new pattern kind is a spec class in pattern.py
 with a new ``kind`` and a resolver here, ``@resolver(kind)``, returning existing rules or a new
-:class:`Rule` subclass; the compiler needs no change.
+:class:`Rule` subclass; the compiler needs no change (docs/architecture.md lists every step).
 """
 from __future__ import annotations
 
