@@ -28,7 +28,7 @@ LOCAL = register(sa.Local(3) | sa.Global(first=1), name="sparse_attn_test_local"
 VOCAB = 100
 
 
-def _config(kind: str, **kwargs):
+def tiny_config(kind: str, **kwargs):
     common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
                   max_position_embeddings=128, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
     common |= kwargs
@@ -61,7 +61,7 @@ def _batch(n=40, left=False):
 
 @pytest.mark.parametrize("kind", ["bert", "roberta", "llama"])
 def test_dense_pattern_equals_eager_attention(kind):
-    eager, ours = twins(_config(kind), DENSE)
+    eager, ours = twins(tiny_config(kind), DENSE)
     ids, mask = _batch()
     expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
     out = ours(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -72,8 +72,8 @@ def test_dense_pattern_equals_eager_attention(kind):
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_output_attentions_warns_and_returns_what_sdpa_returns(kind):
-    _, ours = twins(_config(kind), LOCAL)
-    _, sdpa = twins(_config(kind), "sdpa")
+    _, ours = twins(tiny_config(kind), LOCAL)
+    _, sdpa = twins(tiny_config(kind), "sdpa")
     ids, mask = _batch()
     with pytest.warns(UserWarning, match="does not support output_attentions=True: sparse_attn never materialises"):
         outputs = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -84,7 +84,7 @@ def test_output_attentions_warns_and_returns_what_sdpa_returns(kind):
 
 
 def test_dense_pattern_equals_eager_with_left_padding():
-    eager, ours = twins(_config("llama"), DENSE)
+    eager, ours = twins(tiny_config("llama"), DENSE)
     ids, mask = _batch(left=True)
     keep = mask.bool()
     expected = eager(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -103,7 +103,7 @@ def _pattern_mask(pattern, keep, causal):
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_sparse_pattern_equals_eager_with_the_pattern_as_mask(kind):
-    eager, ours = twins(_config(kind), LOCAL)
+    eager, ours = twins(tiny_config(kind), LOCAL)
     ids, mask = _batch()
     keep = mask.bool()
     expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(3) | sa.Global(first=1), mask,
@@ -114,7 +114,7 @@ def test_sparse_pattern_equals_eager_with_the_pattern_as_mask(kind):
 
 
 def test_config_pattern_overrides_the_registered_one():
-    eager, ours = twins(_config("bert"), DENSE)
+    eager, ours = twins(tiny_config("bert"), DENSE)
     ours.config.sparse_attn_pattern = sa.Local(2).to_dict()
     ids, mask = _batch()
     expected = eager(input_ids=ids, attention_mask=_pattern_mask(sa.Local(2), mask, causal=False)).last_hidden_state
@@ -126,7 +126,7 @@ def test_config_pattern_overrides_the_registered_one():
 
 def test_training_step_encoder():
     torch.manual_seed(0)
-    config = _config("bert", num_labels=2, attention_probs_dropout_prob=0.1)
+    config = tiny_config("bert", num_labels=2, attention_probs_dropout_prob=0.1)
     model = AutoModelForSequenceClassification.from_config(config, attn_implementation=LOCAL).train()
     ids, mask = _batch()
     loss = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1, 1])).loss
@@ -137,7 +137,7 @@ def test_training_step_encoder():
 
 def test_training_step_decoder():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).train()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).train()
     ids, mask = _batch()
     loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
     loss.backward()
@@ -149,7 +149,7 @@ def test_training_step_decoder():
 def test_decoding_with_kv_cache_matches_full_forward(left_padding):
     """Each decoded token's logits equal the full-sequence forward: the pattern is aligned to the end."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     ids, mask = _batch(n=16, left=left_padding)
     full = model(input_ids=ids, attention_mask=mask).logits                     # (B, N, V)
     prefill = 10
@@ -165,7 +165,7 @@ def test_decoding_with_kv_cache_matches_full_forward(left_padding):
 
 def test_generate_with_causal_sparse_pattern():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     ids, mask = _batch(n=12, left=True)
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, attention_mask=mask)
     cached = model.generate(ids, use_cache=True, **options)
@@ -177,7 +177,7 @@ def test_generate_with_causal_sparse_pattern():
 def test_static_cache_generates_what_the_dynamic_cache_generates(left_padding):
     """A static cache hands the attention all its slots; only the written ones are keys, the queries the last."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     ids, mask = _batch(n=12, left=left_padding)
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=mask)
     static = model.generate(ids, cache_implementation="static", **options)
@@ -189,7 +189,7 @@ def test_static_cache_generates_what_the_dynamic_cache_generates(left_padding):
 def test_sliding_window_cache_is_refused():
     """A sliding-window layer's cache drops old keys: positions shift and a pattern's global keys are gone."""
     torch.manual_seed(0)
-    config = MistralConfig(**{k: v for k, v in _config("llama").to_dict().items() if k in _config("llama").__dict__},
+    config = MistralConfig(**{k: v for k, v in tiny_config("llama").to_dict().items() if k in tiny_config("llama").__dict__},
                            sliding_window=6)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=LOCAL).eval()
     ids, _ = _batch(n=12)
@@ -201,7 +201,7 @@ def test_sliding_window_cache_is_refused():
 
 def test_cached_call_needs_a_mask_over_cached_and_new_tokens():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     ids, mask = _batch(n=12)
     cache = getattr(model(input_ids=ids[:, :10], attention_mask=mask[:, :10], use_cache=True), CACHE_KEYWORD)
     with pytest.raises(ValueError, match=r"attention_mask covers 2 tokens but the model sees 12 \(10 cached and 2 "
@@ -210,7 +210,7 @@ def test_cached_call_needs_a_mask_over_cached_and_new_tokens():
 
 
 def test_4d_padding_mask_is_accepted_and_a_structured_one_refused():
-    eager, ours = twins(_config("bert"), LOCAL)
+    eager, ours = twins(tiny_config("bert"), LOCAL)
     ids, mask = _batch()
     padding_4d = torch.zeros(3, 1, 40, 40).masked_fill(~mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=padding_4d).last_hidden_state,
@@ -261,7 +261,7 @@ def test_models_that_change_the_scores_are_refused(build, argument):
 def test_to_long_model_tiles_positions_and_runs():
     torch.manual_seed(0)
     for kind, offset in (("bert", 0), ("roberta", 2)):
-        config = _config(kind, max_position_embeddings=32 + offset, num_labels=2)
+        config = tiny_config(kind, max_position_embeddings=32 + offset, num_labels=2)
         model = AutoModelForSequenceClassification.from_config(config)
         old = model.base_model.embeddings.position_embeddings.weight.detach().clone()
         model = to_long_model(model, 200, sa.Local(8) | sa.Global(first=1))
@@ -282,7 +282,7 @@ def test_to_long_model_tiles_positions_and_runs():
 def test_save_and_reload_keep_the_pattern_and_positions(tmp_path):
     """from_pretrained(path) restores attn_implementation="sparse_attn" from the saved pattern (it loaded sdpa)."""
     torch.manual_seed(0)
-    model = to_long_model(AutoModel.from_config(_config("bert", max_position_embeddings=64)), 256,
+    model = to_long_model(AutoModel.from_config(tiny_config("bert", max_position_embeddings=64)), 256,
                           sa.Local(8) | sa.Global(first=1)).eval()
     model.save_pretrained(tmp_path)
     reloaded = AutoModel.from_pretrained(tmp_path).eval()
@@ -299,14 +299,14 @@ def test_register_without_a_pattern_warns_naming_the_default_it_runs():
                                          r"with sparse_attn's default pattern Local\(256\) \| Global\(first=1\) .* "
                                          r"register\(pattern, name='sparse_attn_test_no_pattern'\) or "
                                          r"model.config.sparse_attn_pattern = pattern.to_dict\(\)"):
-        AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=name)
-    with_pattern = _config("llama")
+        AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=name)
+    with_pattern = tiny_config("llama")
     with_pattern.sparse_attn_pattern = sa.Local(4).to_dict()
-    sliding = MistralConfig(**{k: v for k, v in _config("llama").to_dict().items() if k in _config("llama").__dict__},
+    sliding = MistralConfig(**{k: v for k, v in tiny_config("llama").to_dict().items() if k in tiny_config("llama").__dict__},
                             sliding_window=6)                                 # its own windows: Local(5, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for config, implementation in [(with_pattern, name), (sliding, name), (_config("llama"), LOCAL)]:
+        for config, implementation in [(with_pattern, name), (sliding, name), (tiny_config("llama"), LOCAL)]:
             AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
     assert not [w for w in caught if "default pattern" in str(w.message)]
 
@@ -316,16 +316,16 @@ def test_an_unregistered_sparse_attn_name_points_at_register():
     with pytest.raises(ValueError, match=r"attn_implementation='sparse_atn' is not registered \(registered in this "
                                          r"process: .*\)\. .*transformers.register\(\), called once per process "
                                          r"before the model is built or loaded: .*, or did you mean 'sparse_attn'\?"):
-        AutoModel.from_config(_config("bert"), attn_implementation="sparse_atn")
+        AutoModel.from_config(tiny_config("bert"), attn_implementation="sparse_atn")
     with pytest.raises(ValueError, match="did you mean 'sparse_attn_test_local'"):
-        AutoModel.from_config(_config("bert"), attn_implementation="sparse_attn_test_locl")
+        AutoModel.from_config(tiny_config("bert"), attn_implementation="sparse_attn_test_locl")
     with pytest.raises(ValueError, match='Specified `attn_implementation="eagre"` is not supported'):
-        AutoModel.from_config(_config("bert"), attn_implementation="eagre")            # transformers' own error
+        AutoModel.from_config(tiny_config("bert"), attn_implementation="eagre")            # transformers' own error
 
 
 def test_a_fresh_process_that_imports_the_integration_but_never_registers(tmp_path):
     """register() forgotten: the error points at it; a saved sparse model still loads as one."""
-    model = to_long_model(AutoModel.from_config(_config("bert", max_position_embeddings=64)), 128, sa.Local(4))
+    model = to_long_model(AutoModel.from_config(tiny_config("bert", max_position_embeddings=64)), 128, sa.Local(4))
     model.save_pretrained(tmp_path)
     code = f"""
 import sparse_attn.integrations.transformers
@@ -348,7 +348,7 @@ print(AutoModel.from_pretrained({str(tmp_path)!r}).config._attn_implementation)
 def test_docs_and_errors_teach_the_current_cache_keyword():
     """transformers 5.x renamed generate(past_key_values=...) to cache= and warns that the old name goes away:
     CACHE_KEYWORD is the installed transformers' name (no warning), and the docs teach the current one."""
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)                  # transformers' deprecation warning
         model.generate(torch.randint(3, VOCAB, (1, 4)), max_new_tokens=2, pad_token_id=0,
@@ -364,10 +364,10 @@ def test_errors():
         register(sa.Local(4), name="sdpa")
     with pytest.raises(ValueError, match="backend must be one of .* got 'trition'"):
         register(sa.Local(4), backend="trition")
-    llama = AutoModel.from_config(_config("llama"))
+    llama = AutoModel.from_config(tiny_config("llama"))
     with pytest.raises(ValueError, match="to_long_model needs a BERT/RoBERTa-style model"):
         to_long_model(llama, 4096)
-    bert = AutoModel.from_config(_config("bert"))
+    bert = AutoModel.from_config(tiny_config("bert"))
     with pytest.raises(ValueError, match="max_positions=64 must exceed the model's 128 positions"):
         to_long_model(bert, 64)
     with pytest.raises(ValueError, match="max_positions must be >= 1, got 0"):
@@ -376,7 +376,7 @@ def test_errors():
         to_long_model(bert, 4096.0)
     with pytest.raises(TypeError, match="pattern must be a sparse_attn Pattern such as .*, got str: 'local'"):
         to_long_model(bert, 4096, "local")
-    _, ours = twins(_config("bert"), DENSE)
+    _, ours = twins(tiny_config("bert"), DENSE)
     with pytest.raises(ValueError, match=r"sparse_attn needs a padding mask of shape \(batch, kv_length\)"):
         ours(input_ids=torch.ones(2, 10, dtype=torch.long), attention_mask=torch.ones(2, 1, 10, 7))
 
@@ -421,7 +421,7 @@ def _assert_packed_equals_separate(model, output, documents, **collator_options)
 def test_packed_batch_equals_documents_one_by_one_decoder(collator_options):
     """Llama (causal, rotary positions): the pattern runs per document, Global(first=1) at each one's start."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     documents = _documents()
     _assert_packed_equals_separate(model, "logits", documents, **collator_options)
     # Without the packing information the row is one sequence: later documents see earlier ones.
@@ -434,7 +434,7 @@ def test_packed_batch_equals_documents_one_by_one_decoder(collator_options):
 def test_packed_batch_equals_documents_one_by_one_encoder(kind, start):
     """BERT and RoBERTa (absolute positions: RoBERTa's start after padding_idx, position_ids_start=2)."""
     torch.manual_seed(0)
-    model = AutoModel.from_config(_config(kind), attn_implementation=LOCAL).eval()
+    model = AutoModel.from_config(tiny_config(kind), attn_implementation=LOCAL).eval()
     documents = _documents()
     _assert_packed_equals_separate(model, "last_hidden_state", documents, position_ids_start=start)
     _assert_packed_equals_separate(model, "last_hidden_state", documents, position_ids_start=start,
@@ -444,7 +444,7 @@ def test_packed_batch_equals_documents_one_by_one_encoder(kind, start):
 def test_padded_rows_of_packed_documents():
     """Two packed rows with right padding (attention_mask): documents from the position_ids of real tokens."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     rows = [_documents((5, 7)), _documents((10, 6))]
     n = 16
     ids = torch.zeros(2, n, dtype=torch.long)
@@ -464,7 +464,7 @@ def test_padded_rows_of_packed_documents():
 
 def test_packed_batches_with_a_kv_cache_are_refused_at_the_cached_step():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config("llama"), attn_implementation=LOCAL).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=LOCAL).eval()
     documents = _documents((6, 4))
     cache = getattr(model(**_packed(documents), use_cache=True), CACHE_KEYWORD)  # the packed forward runs
     with pytest.raises(ValueError, match=r"LlamaAttention's KV cache was filled by a packed batch, .* \(10 cached "
@@ -486,7 +486,7 @@ def test_packed_batches_with_a_kv_cache_are_refused_at_the_cached_step():
 
 def test_packing_information_that_cannot_be_honoured_is_refused():
     torch.manual_seed(0)
-    model = AutoModel.from_config(_config("bert"), attn_implementation=LOCAL).eval()
+    model = AutoModel.from_config(tiny_config("bert"), attn_implementation=LOCAL).eval()
     ids = torch.randint(3, VOCAB, (2, 8))
     offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cu_seq_lens_q/k must describe one packed row of 8 tokens \(batch 1, "
