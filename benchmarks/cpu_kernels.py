@@ -20,6 +20,8 @@ before repeat r+1), the forward and the forward+backward (``peers.passes``) of t
   torch 2.13;
 - ``reference``: ``backend="reference"`` (torch, chunked dense rows);
 - ``sdpa-dense``: ``scaled_dot_product_attention`` with no mask, the cost sparse attention avoids;
+- ``numba-softcap``, ``numba-alibi`` (asked for by name): ``numba`` with ``softcap=50`` or ALiBi's slopes
+  (``peers.score_mods``); the markdown lists each as x the time of ``numba`` at the same N;
 
 plus ``torch.mm`` of 4096^3 in float32 and in bfloat16 (the machine's matmul rates; 1024^3 in bfloat16 on a
 CPU without native bf16, where torch's bf16 mm is a scalar loop of about 1 GFLOP/s), in the same
@@ -53,6 +55,7 @@ PATTERN = sa.Local(256) | sa.Global(first=16)
 PATTERN_NAME = "Local(256) | Global(first=16)"
 SLOW_FLOPS = {"reference": 1e11, "sdpa-dense": 1e12}  # skip above these dense FLOPs (minutes per call here)
 SCALE_POINTS = ((262_144, True), (1_048_576, False))
+NUMBA_MODS = ("numba-softcap", "numba-alibi")  # numba float32 with a score modifier (issue 27), asked for by name
 FLEX_MASK_MOD = "pattern.mask_mod: (q - kv).abs() <= 256 | (q < 16) | (kv < 16), the predicate (no lookup table)"
 
 
@@ -79,6 +82,11 @@ def _runner(impl: str, n: int):
         if name == "reference" and dense_flops > SLOW_FLOPS[name]:
             return None, None, flops, f"computes dense rows: {dense_flops / 1e12:.1f} TFLOP per forward"
         attend = peers.sparse_attn(q, k, v, layout, backend=name)
+    elif name in NUMBA_MODS:
+        layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+        flops = layout.flops(DIM) * BATCH
+        mods = peers.score_mods(name.removeprefix("numba-"), HEADS, "cpu")
+        attend = lambda: sparse_attention(q, k, v, layout, backend="numba", **mods)  # noqa: E731
     elif name.startswith("flex"):
         torch._dynamo.config.recompile_limit = 64  # one compiled variant per (N, block, dtype): more than the default 8
         block = int(name.split("-")[1])
@@ -282,6 +290,7 @@ def markdown(record: dict) -> str:
             fb, fb_rate = f"{r['forward_backward_s'] * 1e3:.1f}", f"{r['forward_backward_gflops']:.1f}"
         lines.append(f"| {r['n']} | {r['impl']} | {r['forward_s'] * 1e3:.1f} | {fb} | {r['forward_gflops']:.1f} | "
                      f"{fb_rate} | {speedup} |")
+    lines += _modifier_lines(at)
     lines += ["", "Targets:", *_target_lines(record["results"], record["matmul_gflops"])]
     if not record.get("numba_bf16_native", not record["numba_bf16"].startswith("no ")):
         lines += ["", "This CPU has no native bf16 dot products: numba-bf16 converts q, k, v to float32, runs "
@@ -300,6 +309,22 @@ def markdown(record: dict) -> str:
                 lines.append(f"| {p['n']} | {'fwd+bwd' if p['backward'] else 'forward'} | {p['seconds']:.1f} | "
                              f"{p['peak_rss_gib']:.1f} | {p['one_qkv_tensor_gib']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _modifier_lines(at: dict) -> list[str]:
+    """numba float32 with softcap=50 or ALiBi slopes, as x its time without, at each N both ran."""
+    lines = []
+    for n in sorted({n for n, _ in at}):
+        plain = at.get((n, "numba"))
+        cells = [f"{impl[6:]} forward x{at[n, impl]['forward_s'] / plain['forward_s']:.2f}, forward+backward "
+                 f"x{at[n, impl]['forward_backward_s'] / plain['forward_backward_s']:.2f}"
+                 for impl in NUMBA_MODS if plain and (n, impl) in at]
+        if cells:
+            lines.append(f"- N={n}: " + "; ".join(cells))
+    if not lines:
+        return []
+    return ["", "Score modifiers (issue 27): numba float32 with softcap=50 or ALiBi slopes, x its time without "
+                "(target: forward <= 1.10x):", "", *lines]
 
 
 def main() -> None:

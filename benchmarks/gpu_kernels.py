@@ -177,7 +177,7 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
     if impl in TRITON_BLOCKS:
         return peers.sparse_attn(q, k, v, layout, backend="triton"), {}
     if impl in TRITON_MODS:
-        mods = score_mods(impl, q.shape[1], q.device)
+        mods = peers.score_mods(impl.removeprefix("triton-"), q.shape[1], q.device)
         return lambda: sa.sparse_attention(q, k, v, layout, backend="triton", **mods), {}
     if impl in FLEX_BLOCKS:  # compiled afresh for each point; autotuning picks its own tiles
         tiles = None if impl in FLEX_MODES else peers.FLEX_TILES.get(layout.block_size)
@@ -186,14 +186,6 @@ def make_runner(impl: str, q, k, v, layout, causal: bool) -> tuple:
         mask = peers.token_mask(layout, q.device)                           # (1, 1|H, N, N) bool
         return peers.masked_sdpa(q, k, v, mask), {"sdpa_backend": masked_sdpa_backend(q, k, v, mask)}
     return peers.sdpa(q, k, v, causal=causal, flash=True), {}
-
-
-def score_mods(impl: str, heads: int, device) -> dict:
-    """The modifier of ``triton-softcap`` (Gemma 2's softcap, 50) or ``triton-alibi`` (ALiBi's geometric slopes
-    ``2^(-8 (h + 1) / heads)``: 1/4, 1/16, 1/64, 1/256 for 4 heads)."""
-    if impl == "triton-softcap":
-        return {"softcap": 50.0}
-    return {"alibi_slopes": torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)}
 
 
 def _timed_s(fn) -> float:

@@ -307,3 +307,18 @@ def test_resumed_rows_keeps_rows_of_the_same_setup_and_refuses_others(tmp_path):
     with pytest.raises(SystemExit, match=r"^--resume: .*results.json was measured on another set-up \(gpu: 'NVIDIA "
                                          r"H100 80GB HBM3' there, 'NVIDIA A100' here; n: 4096 there, 8192 here\)\. "):
         results.resumed_rows(path, {"gpu": "NVIDIA A100", "driver": "550.54.15", "n": 8192})
+
+
+def test_cpu_kernels_reports_each_modifier_against_plain_numba_at_its_n():
+    """numba-softcap / numba-alibi (issue 27) are listed as x the time of numba at the same N, forward and
+    forward+backward, only where both ran; nothing is listed without them."""
+    cpu_kernels = script("cpu_kernels")
+    at = {(4096, "numba"): {"forward_s": 0.1, "forward_backward_s": 0.3},
+          (4096, "numba-softcap"): {"forward_s": 0.125, "forward_backward_s": 0.33},
+          (4096, "numba-alibi"): {"forward_s": 0.105, "forward_backward_s": 0.36},
+          (16384, "numba-alibi"): {"forward_s": 0.5, "forward_backward_s": 1.5}}           # no plain numba there
+    lines = cpu_kernels._modifier_lines(at)
+    assert lines[-1] == ("- N=4096: softcap forward x1.25, forward+backward x1.10; alibi forward x1.05, "
+                         "forward+backward x1.20")
+    assert not any("16384" in line for line in lines)
+    assert cpu_kernels._modifier_lines({(4096, "numba"): at[4096, "numba"]}) == []

@@ -43,6 +43,22 @@ def sparse_attn(q, k, v, layout, backend: str) -> Callable:
     return lambda: sparse_attention(q, k, v, layout, backend=backend)
 
 
+def score_mods(kind: str, heads: int, device) -> dict:
+    """The modifier a benchmark times, as ``sparse_attention`` keywords: ``"softcap"`` (Gemma 2's, 50) or
+    ``"alibi"`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / heads)``: 1/4, 1/16, 1/64, 1/256 for 4 heads).
+
+    >>> score_mods("alibi", 4, "cpu")["alibi_slopes"].tolist()
+    [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    import torch
+
+    if kind == "softcap":
+        return {"softcap": 50.0}
+    if kind == "alibi":
+        return {"alibi_slopes": torch.exp2(-8.0 * torch.arange(1, heads + 1, device=device) / heads)}
+    raise ValueError(f"kind must be 'softcap' or 'alibi', got {kind!r}")
+
+
 def compiled_flex(mode: str | None = None, *, fresh: bool = True):
     """``torch.compile(flex_attention, dynamic=False, fullgraph=True, mode=mode)``: static shapes, and compiled
     or an error, never silently eager.
