@@ -41,6 +41,7 @@ from .api import check_inputs, resolve_scale, sparse_attention
 from .blocks import ceil_div
 from .checks import check_bool, check_int, check_token_mask
 from .compiler import csr_index, unique_rows
+from .held_attention import dense_attention, held_mask
 from .layout import BlockLayout
 from .pattern import check_pattern
 from .retention import retention
@@ -50,6 +51,8 @@ from .score_mods import add_sink, alibi_alignment, check_mods, combine_partials
 _MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held keys have gaps
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what sparse_attention takes
 _KEPT_LAYOUTS = 8      # layouts of held positions a cache keeps, by their token mask (a decode step reuses one)
+_KEPT_RULES = 64       # resolved rules a cache keeps, by context (a step resolves its context once per head)
+_DENSE_ROWS = 64       # new queries up to this run as one dense attention over the held keys (numba backend)
 
 
 class SparseKVCache:
@@ -78,6 +81,7 @@ class SparseKVCache:
         self._seen = 0
         self._new = np.zeros(0, dtype=np.int64)         # positions appended by the last update
         self._layouts: dict[tuple, BlockLayout] = {}    # token mask (packed) -> its layout, latest last
+        self._rules: dict[Context, object] = {}         # context -> the pattern's rule there (this step's)
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -334,7 +338,7 @@ class SparseKVCache:
         self.pattern.check_heads(q.shape[1])
         resolve_scale(scale, q.shape[3])
         check_bool("return_lse", return_lse)
-        resolve(self.pattern, Context(q.shape[2], self._seen + k.shape[2], 0))     # e.g. a Blocks grid too short
+        self._rule(Context(q.shape[2], self._seen + k.shape[2], 0))                 # e.g. a Blocks grid too short
         module = backends.load(backends.choose(self.backend, q.device))
         if self._probe is None or (self._probe.block_size, self._probe.device) != (module.BLOCK_SIZE, q.device):
             self._probe = _layout_of_mask(np.ones((1, 1, 1, 1), dtype=bool), 1, module.BLOCK_SIZE,
@@ -371,7 +375,10 @@ class SparseKVCache:
                                          backend=self.backend, return_lse=return_lse,
                                          key_padding_mask=key_padding_mask, softcap=softcap,
                                          alibi_slopes=mods.alibi_slopes, sinks=sinks)
-        block_size = backends.load(backends.choose(self.backend, q.device)).BLOCK_SIZE
+        backend = backends.choose(self.backend, q.device)
+        if backend == "numba" and n_q <= _DENSE_ROWS:
+            return self._attend_dense(q, keys, values, positions, scale, return_lse, key_padding_mask, mods, sinks)
+        block_size = backends.load(backend).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
         parts = []
@@ -391,6 +398,52 @@ class SparseKVCache:
         if sinks is not None:
             out, lse = add_sink(out, lse, sinks)
         return (out, lse) if return_lse else out
+
+    def _attend_dense(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
+                      scale, return_lse: bool, key_padding_mask, mods, sinks):
+        """The new queries over the held keys in one dense call (:func:`~sparse_attn.held_attention.dense_attention`):
+        a decode step reads each held key once. The allowed keys by runs of held positions (no mask at all where
+        every held key is allowed, as in a decode step of ``Local(w - 1, 0) | Sink(...)``)."""
+        mask = self._held_mask(q.shape[1], positions)                                # (Bl, Hl, n_q, n_held) or None
+        mask = None if mask is None else torch.from_numpy(mask).to(q.device)
+        if key_padding_mask is not None:
+            check_token_mask("key_padding_mask", key_padding_mask, None, len(positions))
+            real = ~torch.as_tensor(key_padding_mask, device=q.device)[:, None, None, :]   # (B, 1, 1, n_held)
+            mask = real if mask is None else mask & real
+        query_pos, key_pos = (torch.from_numpy(p).to(q.device) for p in (self._new, positions))
+        out, lse = dense_attention(q, keys, values, mask, resolve_scale(scale, q.shape[3]), mods, query_pos, key_pos,
+                                   return_lse=return_lse or sinks is not None)
+        if sinks is not None:
+            out, lse = add_sink(out, lse, sinks)
+        return (out, lse) if return_lse else out
+
+    def _held_mask(self, heads: int, positions: np.ndarray) -> np.ndarray | None:
+        """(B or 1, H or 1, n_new, n_held) bool of the last update's queries over the held keys at ``positions``, or
+        None when every pair is allowed; with ``set_starts`` each example's positions count from its start."""
+        n_q, heads = len(self._new), heads if self.pattern.head_dependent else 1
+        starts = np.zeros(1, dtype=np.int64) if self._starts is None else self._starts
+        groups = {}
+        for start in np.unique(starts):                    # each example's positions count from its start
+            n_k = self._seen - int(start)
+            context = Context(max(1, min(n_q, n_k)), max(n_k, 1), 0)
+            rules = [self._rule(context._replace(head=h)) for h in range(heads)]
+            groups[start] = held_mask(rules, self._new - start, positions - start)
+        if all(mask is None for mask in groups.values()):
+            return None
+        mask = np.ones((len(starts), heads, n_q, len(positions)), dtype=bool)
+        for start, group in groups.items():
+            if group is not None:
+                mask[starts == start] = group
+        return mask
+
+    def _rule(self, context: Context):
+        """The pattern resolved for ``context``, kept for the step's other calls (its check, its mask)."""
+        rule = self._rules.get(context)
+        if rule is None:
+            if len(self._rules) >= _KEPT_RULES:
+                self._rules.clear()
+            rule = self._rules[context] = resolve(self.pattern, context)
+        return rule
 
     def _attend_runs(self, q: torch.Tensor, query_pos: np.ndarray, keys: torch.Tensor, values: torch.Tensor,
                      positions: np.ndarray, mask: np.ndarray, block_size: int, *, alibi_slopes: torch.Tensor,
