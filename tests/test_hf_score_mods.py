@@ -34,8 +34,8 @@ def _gpt_oss():
     return GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
 
 
-# (config, the backend its modifiers run on here): the numba kernels take softcap once issue 27's kernels land
-MODELS = {"gemma2": (_gemma2, "reference"), "gpt-oss": (_gpt_oss, NUMBA)}
+# (config, the backend its modifiers run on here): the numba kernels where numba is installed
+MODELS = {"gemma2": (_gemma2, NUMBA), "gpt-oss": (_gpt_oss, NUMBA)}
 
 
 def _twins(model: str, without_modifier: bool = False):
