@@ -13,7 +13,7 @@ from sparse_attn.kv_cache import SparseKVCache, layout_at_positions, left_padded
 from sparse_attn.layout import BlockLayout
 from sparse_attn.rules import Context
 from tests.test_layout import patterns
-from tests.tolerance import assert_within_rule
+from tests.tolerance import FLOORS, assert_within_rule
 
 W = 8  # the window of the bounded patterns below: Local(W - 1, 0) reaches W keys
 BOUNDED = [
@@ -72,6 +72,14 @@ def test_generation_float32_within_the_tolerance_rule(pattern, backend):
     out, oracle, baseline, _ = generation(pattern, SCHEDULES["straddle"], backend, dtype=torch.float32)
     assert out.dtype == torch.float32
     assert_within_rule("out", out, oracle, baseline)
+
+
+@pytest.mark.parametrize("pattern", BOUNDED[:3], ids=repr)
+def test_generation_bfloat16_within_the_tolerance_rule(pattern):
+    """The numba decode step (a dense attention over the held keys) and its chunks in bfloat16."""
+    out, oracle, baseline, _ = generation(pattern, SCHEDULES["straddle"], "numba", dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert_within_rule("out", out, oracle, baseline, FLOORS[torch.bfloat16])
 
 
 def test_generation_with_the_triton_backend():
@@ -368,3 +376,26 @@ def test_left_padded_attention_forward_and_backward_equal_each_sequence_alone():
     assert (out[1:, :, 4:] - expected).abs().max().item() <= 1e-12 and not out[1, :, :4].any()
     for padded, one in zip((q, k, v), alone):
         assert (padded.grad[1:, :, 4:] - one.grad).abs().max().item() <= 1e-12 and not padded.grad[1, :, :4].any()
+
+
+def test_a_left_padded_batch_with_modifiers_on_numba_equals_the_reference_cache():
+    """The numba decode step (dense over the held keys) with softcap, ALiBi, sinks and return_lse, left-padded."""
+    pattern, chunks, g = BOUNDED[0], SCHEDULES["straddle"], torch.Generator().manual_seed(5)
+    n = sum(chunks)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    mods = dict(softcap=2.0, alibi_slopes=torch.rand(3, 4, generator=g, dtype=torch.float64),
+                sinks=torch.randn(4, generator=g, dtype=torch.float64), return_lse=True)
+    caches = [SparseKVCache(pattern, backend=backend) for backend in ("numba", "reference")]
+    start = 0
+    for size in chunks:
+        new = slice(start, start + size)
+        results = []
+        for cache in caches:
+            if start == 0:
+                cache.set_starts(STARTS)
+            results.append(cache.attend(q[:, :, new], k[:, :, new], v[:, :, new], **mods))
+        (out, lse), (want_out, want_lse) = results
+        torch.testing.assert_close(out, want_out, atol=1e-10, rtol=1e-8)
+        torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-8)
+        start += size
+    assert len(caches[0].positions) < n
