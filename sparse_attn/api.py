@@ -1,4 +1,7 @@
-"""``sparse_attention()``: validation, dispatch to a backend, and the layout cache.
+"""``sparse_attention()``: validation, the layout to run and dispatch to a backend.
+
+A Pattern's layout comes from ``compiler.build_layout``, which keeps layouts in ``compiler.LAYOUT_CACHE``
+and packed documents' block classes in ``compiler.DOCUMENT_CLASSES``; this module holds no cache.
 
 >>> import torch, sparse_attn as sa
 >>> q = k = v = torch.randn(1, 2, 100, 16)
