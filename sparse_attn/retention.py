@@ -37,8 +37,8 @@ still reachable. :meth:`Retention.kept` is exact where the pattern is built from
 ``Sink``, ``Global``, ``Causal`` and ``Dense`` with ``|``, ``&`` and ``PerHead``: it then drops every
 key that no future query attends (minimal); elsewhere it returns the stored superset (safe).
 
-``ANALYSES`` holds both per kind, for every kind in ``pattern.KINDS``: a kind without an entry is a
-``TypeError``, never a silent guess.
+``ANALYSES`` holds, for every kind in ``pattern.KINDS``, its bound and whether ``kept()`` is exact for
+it: a kind without an entry is a ``TypeError``, never a silent guess.
 
 Imports run one way: this module imports ``pattern`` (``check_pattern``), ``rules`` (``kept`` resolves
 the pattern) and ``checks``; none of them imports it. ``kv_cache`` imports it.
