@@ -1,6 +1,11 @@
 """sparse_attn.integrations.transformers: one pattern per layer (a model's own sliding-window and full layers by
 default, or one given per layer), against the model's own eager/sdpa attention."""
 
+import ast
+import gc
+import weakref
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -203,3 +208,29 @@ def test_a_cache_call_that_raises_changes_nothing():
         with pytest.raises(ValueError, match=message):
             call()
         assert state() == before
+
+
+def test_held_keys_are_forgotten_with_their_model_and_cache():
+    """The positions of the keys a SparseCache layer returns live on those keys, not in a table of the integration:
+    once a model and its cache are gone nothing of them stays, and the next model's caches start from nothing."""
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    ids, mask = _batch(n=12)
+    cache = SparseCache(model)
+    _generate(model, ids, mask, cache, tokens=8)
+    gone = [weakref.ref(model), weakref.ref(cache)] + [weakref.ref(layer.kv) for layer in cache.layers]
+    del model, cache
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)
+    other = _llama(register(sa.Local(3, 0), name="sparse_attn_test_other", backend=BACKEND))  # another pattern
+    tokens, scores = _generate(other, ids, mask, SparseCache(other), tokens=8)
+    full_tokens, full_scores = _generate(other, ids, mask, DynamicCache(), tokens=8)
+    torch.testing.assert_close(tokens, full_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(scores, full_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_no_integration_state_is_keyed_by_object_ids():
+    """An id() outlives its object and is reused by the next one: the integration keys nothing by it."""
+    package = Path(sa.__file__).parent / "integrations"
+    calls = [f"{path.name}:{node.lineno}" for path in package.rglob("*.py") for node in ast.walk(ast.parse(
+        path.read_text())) if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "id"]
+    assert not calls, f"id() called in the integration: {calls}"

@@ -2,7 +2,10 @@
 (GQA), against the models' own eager attention; training, generation with a dynamic and a static KV cache,
 to_long_model; models it cannot run (own attention layers, cross-attention, score changes) are refused."""
 import copy
+import doctest
+import importlib
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -189,8 +192,8 @@ def test_static_cache_generates_what_the_dynamic_cache_generates(left_padding):
 def test_sliding_window_cache_is_refused():
     """A sliding-window layer's cache drops old keys: positions shift and a pattern's global keys are gone."""
     torch.manual_seed(0)
-    config = MistralConfig(**{k: v for k, v in tiny_config("llama").to_dict().items() if k in tiny_config("llama").__dict__},
-                           sliding_window=6)
+    llama = tiny_config("llama")
+    config = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in llama.__dict__}, sliding_window=6)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=LOCAL).eval()
     ids, _ = _batch(n=12)
     with pytest.raises(ValueError, match=f"the model's cache dropped the first .* build the model with "
@@ -302,7 +305,8 @@ def test_register_without_a_pattern_warns_naming_the_default_it_runs():
         AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=name)
     with_pattern = tiny_config("llama")
     with_pattern.sparse_attn_pattern = sa.Local(4).to_dict()
-    sliding = MistralConfig(**{k: v for k, v in tiny_config("llama").to_dict().items() if k in tiny_config("llama").__dict__},
+    llama = tiny_config("llama")
+    sliding = MistralConfig(**{k: v for k, v in llama.to_dict().items() if k in llama.__dict__},
                             sliding_window=6)                                 # its own windows: Local(5, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -379,6 +383,37 @@ def test_errors():
     _, ours = twins(tiny_config("bert"), DENSE)
     with pytest.raises(ValueError, match=r"sparse_attn needs a padding mask of shape \(batch, kv_length\)"):
         ours(input_ids=torch.ones(2, 10, dtype=torch.long), attention_mask=torch.ones(2, 1, 10, 7))
+
+
+def test_without_transformers_private_hook_the_integration_warns_naming_the_version(monkeypatch):
+    """The integration wraps PreTrainedModel._check_and_adjust_attn_implementation, a transformers private: a
+    transformers without it gets a warning that names its version and what is lost, not an AttributeError."""
+    from sparse_attn.integrations.transformers import build_hook
+    assert getattr(transformers.PreTrainedModel, build_hook.HOOK).checks_sparse_attn   # wrapped at import
+    monkeypatch.delattr(transformers.PreTrainedModel, build_hook.HOOK)
+    with pytest.warns(RuntimeWarning, match=f"transformers {re.escape(transformers.__version__)} has no "
+                                            f"PreTrainedModel._check_and_adjust_attn_implementation, .* models it "
+                                            f"cannot run are not refused, .* call check_model\\(model\\)"):
+        assert build_hook.wrap_attn_implementation_check(lambda model, asked: asked, lambda model, chosen: None) \
+            is False
+    assert not hasattr(transformers.PreTrainedModel, build_hook.HOOK)
+
+
+@pytest.mark.parametrize("module", ["registry", "masks", "cache", "attention", "model_checks", "build_hook"])
+def test_docstring_examples_of_each_module(module):
+    """The package's own docstring runs in tests/test_packaging.py; each module's here."""
+    imported = importlib.import_module(f"sparse_attn.integrations.transformers.{module}")
+    result = doctest.testmod(imported, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_public_names_users_import():
+    """The names the single module had, now re-exported by the package."""
+    import sparse_attn.integrations.transformers as integration
+    assert sorted(integration.__all__) == ["CACHE_KEYWORD", "DEFAULT_PATTERN", "SparseCache", "SparseCacheLayer",
+                                           "check_model", "first_tokens", "model_pattern", "own_patterns",
+                                           "packed_documents", "padding_mask", "register", "to_long_model"]
+    assert all(hasattr(integration, name) for name in integration.__all__)
 
 
 def test_sparse_attn_nn_does_not_import_transformers():

@@ -22,9 +22,9 @@ left-padded batch the pattern's positions count from each row's first token (as 
 ``position_ids`` do), so a row computes what its prompt alone computes.
 
 Importing this package wraps transformers' check of a model's ``attn_implementation`` (``build_hook``,
-the one place that touches a transformers private): a model loaded with ``from_pretrained(path)`` whose saved config holds
-``sparse_attn_pattern`` runs ``"sparse_attn"`` again, and a sparse_attn-like name that was never given
-to :func:`register` raises an error saying so.
+the one place that touches a transformers private): a model loaded with ``from_pretrained(path)`` whose
+saved config holds ``sparse_attn_pattern`` runs ``"sparse_attn"`` again, and a sparse_attn-like name that
+was never given to :func:`register` raises an error saying so.
 
 Packed batches (``DataCollatorWithFlattening``: one row whose ``position_ids`` restart at each
 document, and with ``return_flash_attn_kwargs=True`` its ``cu_seq_lens_q/k``) run every document as a

@@ -7,10 +7,11 @@
 >>> held_keys(keys, layer.pattern, causal=True, module=None).positions.tolist()  # the sink and the window
 [0, 7, 8, 9, 10]
 
-A model generates with ``model.generate(ids, **{CACHE_KEYWORD: SparseCache(model)})``. Each layer is a :class:`SparseCacheLayer` over a :class:`~sparse_attn.kv_cache.SparseKVCache`. The keys a
-layer returns from ``update`` carry a :class:`Held` (their absolute positions, the layer's pattern and
-cache) as the attribute ``HELD_ATTRIBUTE``, which the attention function reads with :func:`held_keys`: the
-record lives and dies with the keys, so nothing outlives a model or its cache.
+A model generates with ``model.generate(ids, **{CACHE_KEYWORD: SparseCache(model)})``. Each layer is a
+:class:`SparseCacheLayer` over a :class:`~sparse_attn.kv_cache.SparseKVCache`. The keys a layer returns
+from ``update`` carry a :class:`Held` (their absolute positions, the layer's pattern and cache) as the
+attribute ``HELD_ATTRIBUTE``, which the attention function reads with :func:`held_keys`: the record lives
+and dies with the keys (no table keyed by ``id()``), so nothing outlives a model or its cache.
 """
 from __future__ import annotations
 
