@@ -122,7 +122,8 @@ class SparseKVCache:
         n_new = k.shape[2]
         new = np.arange(self._seen, self._seen + n_new, dtype=np.int64)
         self._evict(t=self._seen)
-        fixed = np.isin(new, self._fixed)
+        fixed = np.isin(new, self._fixed) if len(self._fixed) and new[0] <= self._fixed[-1] else \
+            np.zeros(n_new, dtype=bool)
         self._make_room(k, int((~fixed).sum()))
         slots = np.empty(n_new, dtype=np.int64)
         slots[fixed] = np.searchsorted(self._fixed, new[fixed])
@@ -136,8 +137,7 @@ class SparseKVCache:
         self._new = new
         held = self._held_slots()
         if len(held) and held[-1] - held[0] == len(held) - 1:                # contiguous slots: a view
-            run = slice(held[0], held[-1] + 1)
-            keys, values = self._keys[:, :, run], self._values[:, :, run]
+            keys, values = (t.narrow(2, int(held[0]), len(held)) for t in (self._keys, self._values))
         else:
             index = torch.from_numpy(held).to(self._keys.device)
             keys, values = self._keys.index_select(2, index), self._values.index_select(2, index)
@@ -178,7 +178,9 @@ class SparseKVCache:
         r = self.retention
         if not r.bounded or t <= self._dense_until() or self._ring_count == 0:
             return
-        ring = self._ring_slots()
+        oldest = self._slot_positions[self._ring_slots(1)[0]]
+        # ascending positions: at most (t - window) - oldest entries lie below the window (one per decode step)
+        ring = self._ring_slots(min(self._ring_count, max(t - r.window - int(oldest), 0)))
         old = int(np.searchsorted(self._slot_positions[ring], t - r.window))   # entries below the window
         self._slot_positions[ring[:old]] = -1
         ring_size = len(self._slot_positions) - len(self._fixed)
@@ -219,21 +221,24 @@ class SparseKVCache:
         self._keys, self._values, self._slot_positions, self._ring_head = keys, values, positions, 0
 
     def _write(self, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        if len(slots) and (np.diff(slots) == 1).all():                      # one contiguous run: a slice
-            self._keys[:, :, slots[0]:slots[-1] + 1] = k
-            self._values[:, :, slots[0]:slots[-1] + 1] = v
+        if len(slots) and slots[-1] - slots[0] == len(slots) - 1 and (np.diff(slots) == 1).all():  # a slice
+            self._keys.narrow(2, int(slots[0]), len(slots)).copy_(k)
+            self._values.narrow(2, int(slots[0]), len(slots)).copy_(v)
         else:
             index = torch.from_numpy(slots).to(k.device)
             self._keys.index_copy_(2, index, k)
             self._values.index_copy_(2, index, v)
 
-    def _ring_slots(self) -> np.ndarray:
+    def _ring_slots(self, count: int | None = None) -> np.ndarray:
+        """The slots of the oldest ``count`` ring entries (None: all), oldest first."""
         ring_size = len(self._slot_positions) - len(self._fixed)
-        return len(self._fixed) + (self._ring_head + np.arange(self._ring_count)) % max(ring_size, 1)
+        count = self._ring_count if count is None else count
+        return len(self._fixed) + (self._ring_head + np.arange(count)) % max(ring_size, 1)
 
     def _held_slots(self) -> np.ndarray:
         """The slots in use, in slot order (a full storage is then one slice)."""
-        return np.flatnonzero(self._slot_positions >= 0)
+        in_use = self._slot_positions >= 0
+        return np.arange(len(in_use)) if in_use.all() else np.flatnonzero(in_use)
 
     # --- left padding ------------------------------------------------------------------------
     @property
@@ -410,7 +415,8 @@ class SparseKVCache:
             check_token_mask("key_padding_mask", key_padding_mask, None, len(positions))
             real = ~torch.as_tensor(key_padding_mask, device=q.device)[:, None, None, :]   # (B, 1, 1, n_held)
             mask = real if mask is None else mask & real
-        query_pos, key_pos = (torch.from_numpy(p).to(q.device) for p in (self._new, positions))
+        query_pos, key_pos = (None, None) if mods.alibi_slopes is None else \
+            (torch.from_numpy(p).to(q.device) for p in (self._new, positions))             # ALiBi's distances
         out, lse = dense_attention(q, keys, values, mask, resolve_scale(scale, q.shape[3]), mods, query_pos, key_pos,
                                    return_lse=return_lse or sinks is not None)
         if sinks is not None:
@@ -421,19 +427,21 @@ class SparseKVCache:
         """(B or 1, H or 1, n_new, n_held) bool of the last update's queries over the held keys at ``positions``, or
         None when every pair is allowed; with ``set_starts`` each example's positions count from its start."""
         n_q, heads = len(self._new), heads if self.pattern.head_dependent else 1
-        starts = np.zeros(1, dtype=np.int64) if self._starts is None else self._starts
+        if self._starts is None:
+            mask = held_mask([self._rule(Context(n_q, self._seen, h)) for h in range(heads)], self._new, positions)
+            return None if mask is None else mask[None]
         groups = {}
-        for start in np.unique(starts):                    # each example's positions count from its start
+        for start in np.unique(self._starts):              # each example's positions count from its start
             n_k = self._seen - int(start)
             context = Context(max(1, min(n_q, n_k)), max(n_k, 1), 0)
             rules = [self._rule(context._replace(head=h)) for h in range(heads)]
             groups[start] = held_mask(rules, self._new - start, positions - start)
         if all(mask is None for mask in groups.values()):
             return None
-        mask = np.ones((len(starts), heads, n_q, len(positions)), dtype=bool)
+        mask = np.ones((len(self._starts), heads, n_q, len(positions)), dtype=bool)
         for start, group in groups.items():
             if group is not None:
-                mask[starts == start] = group
+                mask[self._starts == start] = group
         return mask
 
     def _rule(self, context: Context):
