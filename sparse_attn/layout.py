@@ -20,17 +20,18 @@ transposed per (example, head, key block) for the dK/dV pass of the backward.
 
 ``sparse_attn.compiler`` builds layouts from patterns; this module only holds them. It imports no
 pattern module (the compiler imports it), so a layout can be built by hand, say from another
-library's block layout, and checked here.
+library's block layout, and checked (by ``sparse_attn.layout_checks``).
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
 from .blocks import block_areas, ceil_div, check_lengths
 from .checks import check_bool, check_int
+from .layout_checks import check_pattern_like, check_tensor_names, checked_tensors
 
 _GRID_MAX_BLOCKS = 64  # __str__ draws the block grid up to this many blocks a side
 
@@ -68,8 +69,10 @@ class CallData(NamedTuple):
 class BlockLayout:
     """Kernel-ready block-sparse form of a pattern. Build with ``pattern.layout(...)``.
 
-    Tensors (int32 unless noted), with ``Bl`` = 1 when all examples share the layout (else the
-    batch size) and ``Hl`` = 1 when all heads share it (else ``heads``):
+    ``layout.index`` holds its tensors, a :class:`KernelIndex`; each is also a read-only attribute of the
+    same name (``layout.full_ptr is layout.index.full_ptr``). Tensors (int32 unless noted), with ``Bl`` = 1
+    when all examples share the layout (else the batch size) and ``Hl`` = 1 when all heads share it (else
+    ``heads``):
 
     ============== ====================== =================================================
     full_ptr       (Bl, Hl, n_q_blocks+1) row r's full key blocks are
@@ -101,17 +104,26 @@ class BlockLayout:
     token mask); None for one built by hand, whose pattern is only a label.
     """
 
+    pattern: Any                    # the Pattern it was built from, or None; printed, and asked for mask_mod
+    n_q: int
+    n_k: int
+    heads: int
+    block_size: int
+    causal: bool
+    call_data: CallData | None
+    index: KernelIndex              # the tensors kernels read, in the ABI's order (see :class:`KernelIndex`)
+    _on_device: dict[torch.device, BlockLayout]
+
     def __init__(self, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
                  **tensors: torch.Tensor):
-        _check_pattern_like(pattern)
+        check_pattern_like(pattern)
         n_q, n_k = check_lengths(n_q, n_k)
-        names = set(tensors)
-        if names != set(KernelIndex._fields):
-            raise TypeError(f"BlockLayout needs the tensors {list(KernelIndex._fields)}; missing "
-                            f"{sorted(set(KernelIndex._fields) - names)}, unexpected {sorted(names - set(KernelIndex._fields))}")
-        self._set(pattern, n_q, n_k, check_int("heads", heads, 1), check_int("block_size", block_size, 1),
-                  check_bool("causal", causal), tensors, None)
-        _check_tensors(self)
+        check_tensor_names(tensors, KernelIndex._fields)
+        heads, block_size = check_int("heads", heads, 1), check_int("block_size", block_size, 1)
+        causal = check_bool("causal", causal)
+        in_abi_order = {name: tensors[name] for name in KernelIndex._fields}
+        index = KernelIndex(**checked_tensors(in_abi_order, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size))
+        self._init(pattern, n_q, n_k, heads, block_size, causal, index, None)
 
     @classmethod
     def trusted(cls, *, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool,
@@ -120,20 +132,59 @@ class BlockLayout:
         (the compiler, and ``to`` copying a layout): checking would cost as much as building. ``call_data``:
         given only by the compiler, for a layout that is exactly ``pattern`` with that data."""
         layout = cls.__new__(cls)
-        layout._set(pattern, n_q, n_k, heads, block_size, causal, tensors, call_data)
+        layout._init(pattern, n_q, n_k, heads, block_size, causal, KernelIndex(**tensors), call_data)
         return layout
 
-    def _set(self, pattern, n_q, n_k, heads, block_size, causal, tensors, call_data) -> None:
+    def _init(self, pattern, n_q: int, n_k: int, heads: int, block_size: int, causal: bool, index: KernelIndex,
+              call_data: CallData | None) -> None:
         self.pattern, self.n_q, self.n_k, self.heads = pattern, n_q, n_k, heads
-        self.block_size, self.causal, self.call_data = block_size, causal, call_data
-        for name in KernelIndex._fields:
-            setattr(self, name, tensors[name])
-        self._on_device: dict[torch.device, BlockLayout] = {}
+        self.block_size, self.causal, self.call_data, self.index = block_size, causal, call_data, index
+        self._on_device = {}
+
+    # --- the index's tensors by name (read-only: a layout's index never changes) -------------------
+    @property
+    def full_ptr(self) -> torch.Tensor:
+        return self.index.full_ptr
 
     @property
-    def index(self) -> KernelIndex:
-        """The tensors kernels read, in the ABI's order (see :class:`KernelIndex`)."""
-        return KernelIndex(*(getattr(self, name) for name in KernelIndex._fields))
+    def full_idx(self) -> torch.Tensor:
+        return self.index.full_idx
+
+    @property
+    def part_ptr(self) -> torch.Tensor:
+        return self.index.part_ptr
+
+    @property
+    def part_idx(self) -> torch.Tensor:
+        return self.index.part_idx
+
+    @property
+    def part_mask(self) -> torch.Tensor:
+        return self.index.part_mask
+
+    @property
+    def masks(self) -> torch.Tensor:
+        return self.index.masks
+
+    @property
+    def full_t_ptr(self) -> torch.Tensor:
+        return self.index.full_t_ptr
+
+    @property
+    def full_t_idx(self) -> torch.Tensor:
+        return self.index.full_t_idx
+
+    @property
+    def part_t_ptr(self) -> torch.Tensor:
+        return self.index.part_t_ptr
+
+    @property
+    def part_t_idx(self) -> torch.Tensor:
+        return self.index.part_t_idx
+
+    @property
+    def part_t_mask(self) -> torch.Tensor:
+        return self.index.part_t_mask
 
     # --- shape ---------------------------------------------------------------------------------
     @property
@@ -299,13 +350,13 @@ class BlockLayout:
             raise ValueError(f"level must be 'block' or 'token', got {level!r}")
         b, h = self.check_example_head(batch, head)
         if level == "token":
-            rows, cols = [], []
+            row_runs, col_runs = [], []
             for r0 in range(0, self.n_q_blocks, 16):
                 mask = self.row_mask(r0, min(r0 + 16, self.n_q_blocks))[b, h]
                 nz = mask.nonzero().cpu().numpy()
-                rows.append(nz[:, 0] + r0 * self.tile_shape[0])
-                cols.append(nz[:, 1])
-            rows, cols = np.concatenate(rows), np.concatenate(cols)
+                row_runs.append(nz[:, 0] + r0 * self.tile_shape[0])
+                col_runs.append(nz[:, 1])
+            rows, cols = np.concatenate(row_runs), np.concatenate(col_runs)
             return scipy.sparse.csr_array((np.ones(rows.size, dtype=bool), (rows, cols)), shape=(self.n_q, self.n_k))
         per_tile = self._tile_counts()
         entries = []
@@ -463,109 +514,3 @@ def _flex_rows(ptr: torch.Tensor, idx: torch.Tensor, n_cols: int) -> tuple[torch
     indices = torch.zeros(bl * hl * n_rows, n_cols, dtype=torch.int32, device=ptr.device)  # (Bl*Hl*n_rows, n_cols)
     indices[rows, slot] = idx[:rows.numel()]
     return num, indices.reshape(bl, hl, n_rows, n_cols)
-
-
-# ------------------------------------------------------------------------------------------------
-# Checking a hand-built layout
-# ------------------------------------------------------------------------------------------------
-def _check_pattern_like(pattern) -> None:
-    """A layout keeps its pattern only to print it. This module sits below the pattern modules (the
-    compiler imports it), so it checks for the Pattern interface rather than the class."""
-    if pattern is not None and not all(callable(getattr(pattern, name, None)) for name in ("layout", "to_dict")):
-        raise TypeError(f"BlockLayout pattern must be a sparse_attn Pattern, got {type(pattern).__name__}: {pattern!r}")
-
-
-def _check_tensors(layout: BlockLayout) -> None:
-    """Everything the kernels rely on, for a layout not built by ``pattern.layout``; see BlockLayout."""
-    _check_dtypes_and_device(layout)
-    host = {name: getattr(layout, name).cpu().numpy() for name in KernelIndex._fields}
-    _check_shapes(layout, host)
-    full, part = _checked_entries(layout, host, "full"), _checked_entries(layout, host, "part")
-    g, r, c = (np.concatenate([full[i], part[i]]) for i in range(3))
-    order = np.lexsort((c, r, g))
-    g, r, c = g[order], r[order], c[order]
-    if ((g[1:] == g[:-1]) & (r[1:] == r[:-1]) & (c[1:] == c[:-1])).any():
-        raise ValueError("BlockLayout lists a block both in full_idx and in part_idx; a block is full or partial")
-    _check_tiles_end_with_sequence(layout, host["masks"], *part)
-
-
-def _check_dtypes_and_device(layout: BlockLayout) -> None:
-    tensors = {name: getattr(layout, name) for name in KernelIndex._fields}
-    for name, tensor in tensors.items():
-        expected = torch.bool if name == "masks" else torch.int32
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != expected:
-            raise TypeError(f"BlockLayout {name} must be a {expected} tensor, got "
-                            f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
-    devices = {tensor.device for tensor in tensors.values()}
-    if len(devices) > 1:
-        raise ValueError(f"BlockLayout tensors must be on one device, got {sorted(map(str, devices))}; move them with .to()")
-    for name, tensor in tensors.items():
-        setattr(layout, name, tensor.contiguous())  # the kernels read flat memory
-
-
-def _check_shapes(layout: BlockLayout, host: dict[str, np.ndarray]) -> None:
-    groups = host["full_ptr"].shape[:2] if host["full_ptr"].ndim == 3 else None
-    if groups is None or groups[0] < 1 or groups[1] not in (1, layout.heads):
-        raise ValueError(f"BlockLayout full_ptr must have shape (Bl, Hl, n_q_blocks + 1) with Bl >= 1 and Hl 1 or "
-                         f"heads={layout.heads}, got {host['full_ptr'].shape}")
-    rows, cols = layout.n_q_blocks + 1, layout.n_k_blocks + 1
-    expected = {"full_ptr": (*groups, rows), "part_ptr": (*groups, rows), "full_t_ptr": (*groups, cols),
-                "part_t_ptr": (*groups, cols), "masks": (host["masks"].shape[0], *layout.tile_shape),
-                "part_mask": host["part_idx"].shape, "part_t_mask": host["part_t_idx"].shape}
-    for name, shape in expected.items():
-        if host[name].shape != shape:
-            raise ValueError(f"BlockLayout {name} must have shape {shape}, got {host[name].shape}")
-    for name in ("full_idx", "part_idx", "full_t_idx", "part_t_idx"):
-        if host[name].ndim != 1:
-            raise ValueError(f"BlockLayout {name} must be one-dimensional, got shape {host[name].shape}")
-
-
-def _checked_entries(layout: BlockLayout, host: dict[str, np.ndarray], kind: str):
-    """(group, query block, key block, tile) of every ``kind`` ("full" or "part") block, in row-index
-    order, once both indices are checked and found to be transposes of each other."""
-    n_masks, part = len(host["masks"]), kind == "part"
-    tile = host["part_mask"] if part else np.full(len(host["full_idx"]), -1)
-    tile_t = host["part_t_mask"] if part else np.full(len(host["full_t_idx"]), -1)
-    if part and len(tile) and (min(tile.min(), tile_t.min()) < 0 or max(tile.max(), tile_t.max()) >= n_masks):
-        raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {n_masks}) (the length of masks)")
-    g, r = _csr_rows(f"{kind}_ptr", host[f"{kind}_ptr"], f"{kind}_idx", host[f"{kind}_idx"], layout.n_k_blocks)
-    g_t, c_t = _csr_rows(f"{kind}_t_ptr", host[f"{kind}_t_ptr"], f"{kind}_t_idx", host[f"{kind}_t_idx"],
-                         layout.n_q_blocks)
-    r_t = host[f"{kind}_t_idx"]
-    order = np.lexsort((c_t, r_t, g_t))  # the transposed entries in row-index order
-    entries = (g, r, host[f"{kind}_idx"], tile)
-    if len(order) != len(g) or not all(np.array_equal(a, b[order]) for a, b in zip(entries, (g_t, r_t, c_t, tile_t))):
-        tiles, tiles_t = ("/part_mask", "/part_t_mask") if part else ("", "")
-        raise ValueError(f"BlockLayout {kind}_t_ptr/{kind}_t_idx{tiles_t} must be exactly the transpose of "
-                         f"{kind}_ptr/{kind}_idx{tiles}: the same (example, head, query block, key block"
-                         f"{', tile' if part else ''}) entries, listed per key block")
-    return entries
-
-
-def _csr_rows(ptr_name: str, ptr: np.ndarray, idx_name: str, idx: np.ndarray, n_cols: int):
-    """(group, row) of every entry of a checked CSR index: groups are the flattened (example, head)."""
-    flat = ptr.reshape(-1, ptr.shape[-1]).astype(np.int64)                     # (groups, n_rows + 1)
-    chained = flat[0, 0] == 0 and np.array_equal(flat[1:, 0], flat[:-1, -1]) and flat[-1, -1] == len(idx)
-    if not chained or (np.diff(flat, axis=1) < 0).any():
-        raise ValueError(f"BlockLayout {ptr_name} must be non-decreasing row pointers into {idx_name}, from 0 to its "
-                         f"length {len(idx)}, each (example, head) starting where the previous one ends")
-    if len(idx) and (idx.min() < 0 or idx.max() >= n_cols):
-        raise ValueError(f"BlockLayout {idx_name} must hold block indices in [0, {n_cols}), got values in "
-                         f"[{idx.min()}, {idx.max()}]")
-    n_rows = flat.shape[1] - 1
-    row = np.repeat(np.arange(flat.shape[0] * n_rows), np.diff(flat, axis=1).reshape(-1))
-    if ((row[1:] == row[:-1]) & (idx[1:] <= idx[:-1])).any():
-        raise ValueError(f"BlockLayout {idx_name} must be sorted and without duplicates within each row")
-    return row // n_rows, row % n_rows
-
-
-def _check_tiles_end_with_sequence(layout: BlockLayout, masks: np.ndarray, group, rows, cols, tiles) -> None:
-    """Tiles of the last (shorter) block row or column must be False past the sequence end."""
-    (tq, tk), last_row, last_col = layout.tile_shape, layout.n_q_blocks - 1, layout.n_k_blocks - 1
-    rows_in, cols_in = layout.n_q - last_row * tq, layout.n_k - last_col * tk
-    outside = masks[:, rows_in:, :].any((1, 2))[tiles] & (rows == last_row)
-    outside |= masks[:, :, cols_in:].any((1, 2))[tiles] & (cols == last_col)
-    if outside.any():
-        raise ValueError(f"BlockLayout masks[{tiles[outside][0]}] allows pairs outside the sequence (query rows >= "
-                         f"{layout.n_q} or keys >= {layout.n_k}) in a block of the last row or column; tiles must be "
-                         f"False there")
