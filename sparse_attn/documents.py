@@ -12,7 +12,7 @@ as if it were a sequence by itself: positions count from its first token, no pai
 documents, and padding (-1) rows output 0. Each document is one contiguous run of tokens; ids need
 not be sorted, but an id must not reappear after another id in the same example.
 
->>> spans = document_spans(check_documents(sa.documents_from_lengths([[3, 2], [4]], n=6)))
+>>> spans = document_spans(document_values(sa.documents_from_lengths([[3, 2], [4]], n=6)))
 >>> spans.example.tolist(), spans.start.tolist(), spans.length.tolist(), spans.id.tolist()
 ([0, 0, 1], [0, 3, 0], [3, 2, 4], [0, 1, 0])
 """
@@ -36,11 +36,9 @@ class Spans(NamedTuple):
     id: np.ndarray
 
 
-def check_documents(documents, batch: int | None = None, n: int | None = None) -> np.ndarray | None:
-    """A documents tensor (torch or numpy) checked, as an int64 numpy array (B, N).
-
-    ``batch``/``n`` None accept any size. A meta tensor is checked for type and shape only (it has
-    no values) and gives None.
+def check_documents(documents, batch: int | None = None, n: int | None = None) -> None:
+    """A documents tensor (torch or numpy) checked: its type and shape, and its ids where it has values (a meta
+    tensor has none). ``batch``/``n`` None accept any size.
 
     >>> check_documents(np.array([[0, 0, 1, 0]]))
     Traceback (most recent call last):
@@ -59,9 +57,17 @@ def check_documents(documents, batch: int | None = None, n: int | None = None) -
             or n not in (None, documents.shape[1])):
         raise ValueError(f"documents must have shape {shape}, one id per token of each example, "
                          f"got {tuple(documents.shape)}")
+    if not (isinstance(documents, torch.Tensor) and documents.device.type == "meta"):
+        document_values(documents)
+
+
+def document_values(documents) -> np.ndarray:
+    """The ids of an integer documents tensor or array with values, checked, as int64 numpy (B, N).
+
+    >>> document_values(torch.tensor([[3, 3, -1, 0]], dtype=torch.int32)).tolist()
+    [[3, 3, -1, 0]]
+    """
     if isinstance(documents, torch.Tensor):
-        if documents.device.type == "meta":
-            return None
         documents = documents.detach().cpu().numpy()
     ids = documents.astype(np.int64)
     if (documents != ids).any() or (ids < -1).any():                      # uint64 beyond int64, or below -1

@@ -49,7 +49,7 @@ import torch
 from .blocks import ceil_div, check_lengths
 from .checks import check_bool, check_int
 from .compiler import check_call_masks
-from .documents import Spans, document_spans, per_token
+from .documents import Spans, document_spans, document_values, per_token
 from .rules import (CausalRule, Context, DenseRule, IntersectionRule, Rule, StrideRule, TilesRule, UnionRule,
                     WindowRule, random_tiles, resolve)
 
@@ -138,11 +138,12 @@ def mask_mod(pattern, n_q: int, n_k: int | None = None, heads: int = 1, *, docum
     heads = check_int("heads", heads, 1)
     causal = check_bool("causal", causal)
     pattern.check_heads(heads)
-    ids = check_call_masks(n_q, n_k, global_mask, key_padding_mask, None, documents)
+    check_call_masks(n_q, n_k, global_mask, key_padding_mask, None, documents)
     for name, value in (("documents", documents), ("key_padding_mask", key_padding_mask), ("global_mask", global_mask)):
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             raise ValueError(f"{name} is a meta tensor: its values, which the predicate looks up, cannot be read; "
                              f"pass a tensor with values")
+    ids = None if documents is None else document_values(documents)
     device = _device(device, documents, key_padding_mask, global_mask)
     env = _Env(n_q, n_k, heads, device, None, [])
     if ids is not None:

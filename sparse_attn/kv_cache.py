@@ -38,9 +38,9 @@ import torch
 
 from . import backends
 from .api import check_inputs, resolve_scale, sparse_attention
+from .assembly import assemble_layout, distinct_tiles
 from .blocks import ceil_div
 from .checks import check_bool, check_int, check_token_mask
-from .compiler import csr_index, unique_rows
 from .held_attention import dense_attention, held_mask
 from .layout import BlockLayout
 from .pattern import check_pattern
@@ -637,11 +637,10 @@ def _layout_of_mask(mask: np.ndarray, heads: int, block_size: int, pattern) -> B
     area = rows_in[:, None] * np.minimum(tk, n_k - np.arange(n_kb) * tk)[None, :]          # (n_qb, n_kb)
     full, part = count == area, (count > 0) & (count < area)
     part_tiles = tiles[part]                                                             # (n_part, tq, tk)
-    first, tile_of = unique_rows(part_tiles.reshape(len(part_tiles), tq * tk))
+    masks, tile_of = distinct_tiles(part_tiles)
     g, r, c = np.nonzero(full | part)                                                    # sorted by (g, r, c)
-    tensors = csr_index(g, r, c, full[g, r, c], tile_of, mask.shape[:2], n_qb, n_kb)
-    tensors["masks"] = torch.from_numpy(np.ascontiguousarray(part_tiles[first]))      # (n_masks, tq, tk)
-    return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=False,
-                               **tensors)
+    return assemble_layout(pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=False,
+                           shape=mask.shape[:2], blocks_per_side=(n_qb, n_kb), group=g, rows=r, cols=c,
+                           full=full[g, r, c], part_tile=tile_of, masks=masks)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .blocks import ceil_div
-from .compiler import csr_index, unique_rows
+from .assembly import assemble_layout, distinct_tiles, unique_rows
 from .layout import BlockLayout
 from .score_mods import alibi_alignment
 
@@ -346,14 +346,12 @@ class ShardPlan:
         group, rows, cols, full, tile = group[order], rows[order], cols[order], full[order], tile[order]
         tq, tk = min(self.layout.block_size, n_rows), min(self.layout.block_size, n_k)
         used, part_tile = np.unique(tile[~full], return_inverse=True)
-        tiles = pool[used][:, :tq, :tk]
-        first, distinct = unique_rows(tiles.reshape(len(tiles), tq * tk))
-        shape = tuple(self.layout.index.full_ptr.shape[:2])
-        tensors = csr_index(group, rows, cols, full, distinct[part_tile.reshape(-1)], shape, ceil_div(n_rows, step),
-                            ceil_div(n_k, step))
-        tensors["masks"] = torch.from_numpy(np.ascontiguousarray(tiles[first]))
-        return BlockLayout.trusted(pattern=self.layout.pattern, n_q=n_rows, n_k=n_k, heads=self.layout.heads,
-                                   block_size=self.layout.block_size, causal=self.layout.causal, **tensors)
+        masks, distinct = distinct_tiles(pool[used][:, :tq, :tk])
+        return assemble_layout(self.layout.pattern, n_q=n_rows, n_k=n_k, heads=self.layout.heads,
+                               block_size=self.layout.block_size, causal=self.layout.causal,
+                               shape=tuple(self.layout.index.full_ptr.shape[:2]),
+                               blocks_per_side=(ceil_div(n_rows, step), ceil_div(n_k, step)), group=group, rows=rows,
+                               cols=cols, full=full, part_tile=distinct[part_tile.reshape(-1)], masks=masks)
 
     # --- traffic ---------------------------------------------------------------------------------
     def bytes_per_rank(self, head_dim: int, itemsize: int, lse_itemsize: int = 4) -> dict[str, np.ndarray]:

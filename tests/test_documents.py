@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
-from sparse_attn import compiler
-from sparse_attn.documents import check_documents, document_spans
+from sparse_attn import packing
+from sparse_attn.documents import document_spans, document_values
 from sparse_attn.rules import Context, resolve
 from tests.test_layout import check_blocks_exact, patterns
 from tests.tolerance import assert_within_rule
@@ -111,7 +111,8 @@ def test_random_in_many_documents_is_classified_once_per_length_and_offset(monke
     """256 documents of 16 tokens in blocks of 64: one class per offset (0, 16, 32, 48) and head, resolved once,
     not one per document (milliseconds each: 4,096 documents took seconds)."""
     resolved = []
-    monkeypatch.setattr(compiler, "resolve", lambda spec, ctx: resolved.append(ctx) or resolve(spec, ctx))
+    monkeypatch.setattr(packing, "resolve", lambda spec, ctx: resolved.append(ctx) or resolve(spec, ctx))
+    packing.DOCUMENT_CLASSES.clear()                                   # nothing classified by an earlier test
     check_documents_layout(sa.Random(1, seed=23, block_size=4) | sa.Local(1), ids_from([[16] * 256]), heads=2,
                            block_size=64)
     assert len(resolved) == 2 * 4 and {ctx.n_q for ctx in resolved} == {16}
@@ -199,7 +200,7 @@ def test_helpers():
     assert sa.documents_from_lengths([[2, 1], [3]]).tolist() == [[0, 0, 1], [0, 0, 0]]
     assert sa.documents_from_lengths([np.array([2]), torch.tensor([1])], n=3).tolist() == [[0, 0, -1], [0, -1, -1]]
     assert sa.documents_from_cu_seqlens(torch.tensor([0, 1, 1, 4])).tolist() == [[0, 2, 2, 2]]
-    ids = check_documents(torch.tensor([[3, 3, -1, 0]], dtype=torch.int32))
+    ids = document_values(torch.tensor([[3, 3, -1, 0]], dtype=torch.int32))
     assert ids.dtype == np.int64 and document_spans(ids).start.tolist() == [0, 3]
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
-from sparse_attn import compiler
+from sparse_attn import assembly, compiler
 from sparse_attn import layout as layout_module
 from sparse_attn.blocks import MAX_LENGTH
 from sparse_attn.layout import KernelIndex
@@ -378,7 +378,7 @@ def test_to_block_mask_with_blocks_larger_than_the_sequence():
 
 
 def test_more_blocks_than_int32_indices_hold_is_refused(monkeypatch):
-    monkeypatch.setattr(compiler, "_INT32_MAX", 10)
+    monkeypatch.setattr(assembly, "_INT32_MAX", 10)
     with pytest.raises(ValueError, match=r"the layout has 16 \(example, head, block\) entries, more than its int32 "
                                          r"indices hold \(10\); use a larger block_size \(got 4\)"):
         sa.Dense().layout(16, block_size=4)
