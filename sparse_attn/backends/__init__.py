@@ -28,20 +28,25 @@ def numba_cache_fallback() -> str | None:
     """The directory the Numba kernels must cache in because Numba has none, or None where it has one.
 
     Numba caches a compiled kernel (``cache=True``) in ``NUMBA_CACHE_DIR`` when that is set, else in
-    ``__pycache__`` next to the module, else in the user cache (``$XDG_CACHE_HOME/numba`` or
+    ``__pycache__`` next to the module (``backends/numba/``), else in the user cache (``$XDG_CACHE_HOME/numba`` or
     ``~/.cache/numba``), the first it can write; with none (a read-only install and a read-only or
     missing home, as in some containers) importing the kernels fails: "cannot cache function ...: no
     locator available". Then: ``<temp dir>/sparse_attn-numba-cache-<uid>``, kept across processes.
     """
     if os.environ.get("NUMBA_CACHE_DIR") or _numba_config_cache_dir():
         return None
-    if _writable(os.path.join(os.path.dirname(__file__), "__pycache__")) or _writable(_user_cache_dir()):
+    if _writable(_kernels_pycache()) or _writable(_user_cache_dir()):
         return None
     try:
         return os.path.join(tempfile.gettempdir(), f"sparse_attn-numba-cache-{os.getuid()}"
                             if hasattr(os, "getuid") else "sparse_attn-numba-cache")
     except OSError:                                      # no writable temp dir either: Numba's error stands
         return None
+
+
+def _kernels_pycache() -> str:
+    """The ``__pycache__`` next to the Numba kernels (the ``numba`` subpackage), Numba's first choice."""
+    return os.path.join(os.path.dirname(__file__), "numba", "__pycache__")
 
 
 def _numba_config_cache_dir() -> str:
@@ -117,7 +122,7 @@ def load(name: str) -> ModuleType:
         # import statements rather than importlib: torch.compile traces them, so even the first call of
         # a backend may happen inside a compiled function
         if name == "numba":
-            from . import numba_cpu as module
+            from .numba import backend as module
         elif name == "triton":
             from . import triton_gpu as module
         else:

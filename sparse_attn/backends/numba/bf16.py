@@ -2,7 +2,7 @@
 packed the way it reads them, and float32 -> bf16 rounding inside the kernels.
 
 >>> import torch
->>> from sparse_attn.backends.numba_bf16 import pairs, to_float
+>>> from sparse_attn.backends.numba.bf16 import pairs, to_float
 >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.bfloat16)       # (K=3, N=2)
 >>> b = pairs(x)                                 # rows in pairs, the odd one padded with zeros: (K/2, N, 2)
 >>> b.shape, [to_float(b[0, 1, i]) for i in range(2)]                           # rows 0 and 1 of column 1
@@ -34,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .numba_lowlevel import FASTMATH, gemm
+from .lowlevel import FASTMATH, gemm
 
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
 #                             float* C, bool is_vnni): C (M, N) (+)= A (M, K) @ B, B packed (K/2, ld_b, 2)

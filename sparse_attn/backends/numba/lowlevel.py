@@ -2,14 +2,14 @@
 an atomic task counter, fastmath flags, and the process-wide BLAS thread setting around a call.
 
 >>> import numpy as np
->>> from sparse_attn.backends.numba_lowlevel import gemm
+>>> from sparse_attn.backends.numba.lowlevel import gemm
 >>> a, b = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32)
 >>> c = np.ones((2, 4), np.float32)
 >>> gemm(np.float32(2), a, False, b, True, np.float32(1), c)                  # c = 2 a @ b.T + c
 >>> c.tolist()
 [[7.0, 7.0, 7.0, 7.0], [7.0, 7.0, 7.0, 7.0]]
 
-Nothing here knows about attention; ``numba_cpu`` imports it.
+Nothing here knows about attention; the kernels import it.
 """
 from __future__ import annotations
 

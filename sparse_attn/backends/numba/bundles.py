@@ -1,7 +1,7 @@
 """The named bundles of arrays the Numba kernels pass around, and the layout's index as they walk it.
 
 >>> import sparse_attn as sa
->>> from sparse_attn.backends.numba_bundles import block_index, segment
+>>> from sparse_attn.backends.numba.bundles import block_index, segment
 >>> lay = (sa.Local(64) | sa.Global(first=4)).layout(256, block_size=64)      # 4 blocks a side
 >>> rows = block_index(*lay.index[:6], transposed=False)
 >>> segment(rows, 0, 0, 2)                         # query block 2 of example 0, head 0: its key blocks
@@ -100,7 +100,7 @@ class Config(NamedTuple):
     panel_blocks: int      # blocks per panel (the backend's panel size in keys, or queries, // block_size)
     scale: np.floating     # the softmax scale, in the dtype computed in
     base2_scale: np.floating  # scale * log2(e): scores in base 2, for exp2
-    softcap: np.float64 | None   # numba_mods.ScoreModifiers: the softcap c (None: none) ...
+    softcap: np.float64 | None   # mods.ScoreModifiers: the softcap c (None: none) ...
     slopes: np.ndarray | None    # ... ALiBi's (B or 1, Hq) slopes (None: none) ...
     shift: int                   # ... and n_k - n_q, query row i's offset to its key position
 

@@ -3,8 +3,8 @@ derivative for the backward, and the same formulas on single scores for the exac
 
 >>> import numpy as np, torch
 >>> from numba import njit
->>> from sparse_attn.backends.numba_mods import call_modifiers, head_modifiers, modify
->>> from sparse_attn.backends.numba_bundles import Config
+>>> from sparse_attn.backends.numba.mods import call_modifiers, head_modifiers, modify
+>>> from sparse_attn.backends.numba.bundles import Config
 >>> @njit
 ... def modified_panel(config, s):                 # rows 0.. of query head 0 of example 0, keys 0..
 ...     modify(head_modifiers(config, 0, 0, 0), s, 0)
@@ -32,7 +32,7 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from .numba_lowlevel import FASTMATH, like, tanh
+from .lowlevel import FASTMATH, like, tanh
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -44,7 +44,7 @@ _SOFTCAP_RANGE = {torch.float32: (1e-30, 1e36), torch.float64: (1e-300, 1e300)}
 
 class ScoreModifiers(NamedTuple):
     """A call's softcap and ALiBi as the host hands them to the kernels (``call_modifiers``): the last three
-    fields of ``numba_bundles.Config`` (flat there: Numba's parallel loops take a tuple's arrays only one level
+    fields of ``bundles.Config`` (flat there: Numba's parallel loops take a tuple's arrays only one level
     deep)."""
 
     softcap: np.float64 | None   # c > 0; None: no softcap
@@ -73,7 +73,7 @@ def call_modifiers(softcap: float, slopes: torch.Tensor | None, dtype: torch.dty
 
 def head_modifiers(config, b, h, first):
     """The HeadModifiers of example b, query head h, for a query array whose row 0 is query ``first``, from
-    a ``numba_bundles.Config``; None without modifiers."""
+    a ``bundles.Config``; None without modifiers."""
 
 
 @overload(head_modifiers)

@@ -2,14 +2,14 @@
 by the reference's formulas over exactly their allowed pairs, in float64.
 
 The fast path cannot keep a NaN or inf to the pairs that meet it: inside a computed tile a masked
-pair multiplies its zero weight by the NaN in a matmul. So ``numba_cpu`` sends here the rows of the
+pair multiplies its zero weight by the NaN in a matmul. So the kernels send here the rows of the
 forward (``exact_row``), the keys of the backward's dk, dv (``exact_dk_dv``) and the rows of its dq
 (``exact_dq_rows``) that came out NaN or inf. Scores are rounded to the inputs' dtype, so that they
 overflow where torch's do. Finite inputs never come here unless a value overflows.
 
 Bundles (``qkv`` = (q, k, v), ``ForwardResult``, ``Incoming``, ``BlockIndex``, ``Config``) are
-those of ``numba_bundles``; q, k, v are float arrays, or bf16 bits (uint16) read through
-``numba_bf16.to_float``. Scores carry the call's softcap and ALiBi (``numba_mods``): in float64 from the
+those of ``bundles``; q, k, v are float arrays, or bf16 bits (uint16) read through
+``bf16.to_float``. Scores carry the call's softcap and ALiBi (``mods``): in float64 from the
 rounded ``scale q . k``, and in the fast path's base-2 formula where the fast backward must agree.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_bf16 import to_float
-from .numba_bundles import kv_example, query_examples, segment
-from .numba_lowlevel import like
-from .numba_mods import exact_modified, exact_softcap_grad, head_modifiers, modified, position
+from .bf16 import to_float
+from .bundles import kv_example, query_examples, segment
+from .lowlevel import like
+from .mods import exact_modified, exact_softcap_grad, head_modifiers, modified, position
 
 
 @njit(cache=True, fastmath=False)
@@ -87,7 +87,7 @@ def exact_dq_rows(rows, qkv, result, incoming, index, config, dq):
     """dq (B, Hq, Nq, D) of the given rows (flat (example, head, query) indices) by the exact path;
     ``index``: the row BlockIndex."""
     for e in prange(rows.size):
-        _exact_dq_row(rows[e], qkv, result, incoming, index, config, dq)  # prange bodies only call: see numba_bundles
+        _exact_dq_row(rows[e], qkv, result, incoming, index, config, dq)  # prange bodies only call: see bundles
 
 
 @njit(cache=True, fastmath=False)
