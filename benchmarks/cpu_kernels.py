@@ -45,7 +45,7 @@ import torch
 import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_bf16
+from sparse_attn.backends.numba import bf16 as numba_bf16
 from sparse_attn.bench import peers
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results

@@ -140,13 +140,13 @@ def test_numba_backward_is_deterministic():
 
 def test_numba_ops_opcheck_and_gradcheck():
     """The custom ops' fake (shape) implementations and autograd agree with the kernels on batch-1 k, v."""
-    from sparse_attn.backends import numba_cpu
+    from sparse_attn.backends.numba import backend as numba_backend
 
     (q, k, v), layout = make_case("mqa")
-    rest = (*layout.index, layout.block_size, 0.25)
-    torch.library.opcheck(numba_cpu.numba_attention, (q, k, v, *rest))
-    out, lse, stats, argmax = numba_cpu.numba_attention(q, k, v, *rest)
-    torch.library.opcheck(numba_cpu.numba_attention_backward,
+    rest = (list(layout.index), layout.block_size, 0.25)
+    torch.library.opcheck(numba_backend.numba_attention, (q, k, v, *rest))
+    out, lse, stats, argmax = numba_backend.numba_attention(q, k, v, *rest)
+    torch.library.opcheck(numba_backend.numba_attention_backward,
                           (torch.randn_like(out), q, k, v, out, lse, stats, argmax, torch.randn_like(lse), *rest))
     small = [t[..., :20, :4].clone().requires_grad_() for t in (q[:, :2], k[:, :1], v[:, :1])]
     small_layout = sa.Local(5).layout(20, heads=2, block_size=16, causal=True)

@@ -20,7 +20,7 @@ ARROW, LAZY_ARROW = "──>", "╌╌>"
 
 
 def entry(module: str) -> str:
-    """The map's entry for a dotted module inside the package (``backends.numba_cpu`` -> ``backends.numba``)."""
+    """The map's entry for a dotted module inside the package (``backends.numba.forward`` -> ``backends.numba``)."""
     parts = module.split(".") if module else ["__init__"]
     if parts[0] in ("bench", "integrations"):
         return parts[0]
@@ -130,7 +130,7 @@ def row(name: str, targets: dict[str, bool]) -> str:
 
 def test_entries_group_subpackages_and_the_numba_backend():
     assert [entry(m) for m in ("", "pattern", "bench.runner", "integrations.transformers.cache", "backends",
-                               "backends.numba_bf16", "backends.numba.kernels", "backends.reference")] == \
+                               "backends.numba", "backends.numba.forward", "backends.reference")] == \
         ["__init__", "pattern", "bench", "integrations", "backends", "backends.numba", "backends.numba",
          "backends.reference"]
 

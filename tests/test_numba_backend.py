@@ -15,7 +15,9 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_bundles, numba_cpu, numba_lowlevel
+from sparse_attn.backends import numba as numba_package
+from sparse_attn.backends.numba import backend as numba_backend
+from sparse_attn.backends.numba import bundles, lowlevel, panels, schedule
 
 from .tolerance import assert_within_rule
 
@@ -361,16 +363,16 @@ def test_backward_per_worker_dq_buffers(threads, case_id):
 
 def test_static_schedule_deals_every_task_once_balanced():
     costs = np.array([80, 1, 9, 9, 10, 0, 10, 9, 9, 1], np.int64)
-    order = numba_cpu._heaviest_first(costs)
+    order = schedule.heaviest_first(costs)
     for workers in (1, 2, 3, 16):
-        ptr, tasks = numba_cpu._static_schedule(order, costs, workers)
+        ptr, tasks = schedule.static_schedule(order, costs, workers)
         assert ptr[0] == 0 and ptr[-1] == len(costs) and np.all(np.diff(ptr) >= 0)
         assert sorted(tasks) == list(range(len(costs)))
         loads = [int((costs[tasks[ptr[w]:ptr[w + 1]]] + 1).sum()) for w in range(workers)]
         assert max(loads) - min(loads) <= 81                                      # LPT: within the heaviest task
-        again = numba_cpu._static_schedule(order, costs, workers)
+        again = schedule.static_schedule(order, costs, workers)
         assert np.array_equal(ptr, again[0]) and np.array_equal(tasks, again[1])
-    ptr, tasks = numba_cpu._static_schedule(order, costs, 2)
+    ptr, tasks = schedule.static_schedule(order, costs, 2)
     assert list(tasks[ptr[0]:ptr[1]]) == [0]                                      # the global task alone
     assert sorted(tasks[ptr[1]:ptr[2]]) == list(range(1, 10))
 
@@ -387,14 +389,14 @@ def test_gradcheck_float64():
 
 def _op_args(dtype=torch.float32):
     (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], dtype)
-    return (q, k, v, *layout.index, layout.block_size, 0.25)
+    return (q, k, v, list(layout.index), layout.block_size, 0.25)
 
 
 def test_opcheck():
-    torch.library.opcheck(numba_cpu.numba_attention, _op_args())
+    torch.library.opcheck(numba_backend.numba_attention, _op_args())
     q, k, v, *rest = _op_args(torch.float64)
-    out, lse, stats, argmax = (t.detach() for t in numba_cpu.numba_attention(q, k, v, *rest))
-    torch.library.opcheck(numba_cpu.numba_attention_backward,
+    out, lse, stats, argmax = (t.detach() for t in numba_backend.numba_attention(q, k, v, *rest))
+    torch.library.opcheck(numba_backend.numba_attention_backward,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, stats, argmax,
                            torch.randn_like(lse), *rest))
 
@@ -420,7 +422,7 @@ def test_torch_compile_fullgraph_forward_backward():
 def test_half_inputs_compute_in_float32(dtype, monkeypatch):
     """float16 always, bfloat16 where the CPU has no native bf16 (here: as if; tests/test_numba_bf16.py
     covers the bf16 matmuls)."""
-    monkeypatch.setattr(numba_cpu, "native_bf16", lambda: (False, "as if"))
+    monkeypatch.setattr(numba_backend, "native_bf16", lambda: (False, "as if"))
     (q, k, v), layout = case_inputs(CASES[0], dtype)
     out, lse, grads = run_case("numba", q, k, v, layout)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -433,8 +435,8 @@ def test_half_inputs_compute_in_float32(dtype, monkeypatch):
 
 
 def test_pattern_argument_uses_block_size_64(monkeypatch):
-    seen, run = [], numba_cpu.attention
-    monkeypatch.setattr(numba_cpu, "attention", lambda q, k, v, layout, *args: (seen.append(layout.block_size),
+    seen, run = [], numba_backend.attention
+    monkeypatch.setattr(numba_backend, "attention", lambda q, k, v, layout, *args: (seen.append(layout.block_size),
                                                                                run(q, k, v, layout, *args))[1])
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 150, 16, generator=gen)
@@ -475,7 +477,8 @@ def test_block_size_beyond_the_sequence_uses_memory_of_the_sequence():
     assert json.loads(run.stdout.splitlines()[-1]) == [True, True]
 
 
-@pytest.mark.parametrize("module", [numba_cpu, numba_bundles, numba_lowlevel], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [numba_package, numba_backend, bundles, lowlevel, panels, schedule],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -484,11 +487,11 @@ def test_docstring_examples(module):
 def test_non_cpu_tensors_are_refused():
     q = torch.empty(1, 1, 64, 16, device="meta")  # sparse_attention answers meta tensors before any backend
     with pytest.raises(ValueError, match=r"backend='numba' runs on CPU tensors.*backend='triton'.*\.cpu\(\)"):
-        numba_cpu.check(q, q, q, sa.Local(4).layout(64))
+        numba_backend.check(q, q, q, sa.Local(4).layout(64))
 
 
 def test_available():
-    ok, reason = numba_cpu.available()
+    ok, reason = numba_backend.available()
     assert ok and "numba" in reason
 
 
@@ -496,7 +499,7 @@ _CONCURRENT_CALLS = r"""
 import json, threading
 import numba, torch, sparse_attn as sa
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_lowlevel
+from sparse_attn.backends.numba import lowlevel
 
 def run(q, k, v):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -506,7 +509,7 @@ def run(q, k, v):
 layout = (sa.Local(32) | sa.Global(first=2)).layout(700, heads=4, block_size=64)
 gen = torch.Generator().manual_seed(0)
 inputs = [[torch.randn(1, 4, 700, 32, generator=gen) for _ in range(3)] for _ in range(6)]
-blas = numba_lowlevel.scipy_openblas()
+blas = lowlevel.scipy_openblas()
 if blas is not None:
     blas.scipy_openblas_set_num_threads(2)
 expected = [run(*x) for x in inputs]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import sparse_attn as sa
-from sparse_attn.backends import numba_bf16, numba_cpu
+from sparse_attn.backends.numba import backend as numba_backend
+from sparse_attn.backends.numba import bf16 as numba_bf16
 
 from .test_numba_backend import (CASES, IDS, assert_agrees_row_by_row, case_inputs, flat_run, nonfinite_case,
                                  run_case)
@@ -52,7 +53,7 @@ def _within_rule(q, k, v, layout, scale=None):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_bf16_within_tolerance_rule(case):
     (q, k, v), layout = case_inputs(case, torch.bfloat16)
-    assert numba_cpu.bf16_matmuls(q, layout.block_size)
+    assert numba_backend.bf16_matmuls(q, layout.block_size)
     _within_rule(q, k, v, layout)
 
 
@@ -121,7 +122,7 @@ def test_odd_head_dim_and_disabled_onednn_compute_in_float32():
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 100, 15, generator=gen).bfloat16()
     layout = sa.Local(20).layout(100, heads=2)
-    assert not numba_cpu.bf16_matmuls(q, layout.block_size)
+    assert not numba_backend.bf16_matmuls(q, layout.block_size)
     out = sa.sparse_attention(q, q, q, layout, backend="numba")
     assert torch.equal(out, sa.sparse_attention(q.float(), q.float(), q.float(), layout, backend="numba").bfloat16())
     native_here = numba_bf16.native()[0]
@@ -133,7 +134,7 @@ def test_odd_head_dim_and_disabled_onednn_compute_in_float32():
 
 
 def test_available_says_which_path_bf16_takes():
-    ok, reason = numba_cpu.available()
+    ok, reason = numba_backend.available()
     assert ok and "bfloat16: " in reason and (("brgemm" in reason) == NATIVE)
 
 
@@ -184,7 +185,7 @@ def test_brgemm_refuses_an_odd_k():
 RELEASE_THEN_ONEDNN = """
 import torch
 from numba import njit
-from sparse_attn.backends import numba_bf16
+from sparse_attn.backends.numba import bf16 as numba_bf16
 
 @njit
 def release():
@@ -216,11 +217,11 @@ def test_a_released_brgemm_survives_onednn_on_the_same_thread():
 @needs_native
 def test_opcheck_bf16():
     (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.bfloat16)
-    args = (*layout.index, layout.block_size, 0.25)
-    torch.library.opcheck(numba_cpu.numba_attention, (q, k, v, *args))
-    out, lse, stats, argmax = (t.detach() for t in numba_cpu.numba_attention(q, k, v, *args))
+    args = (list(layout.index), layout.block_size, 0.25)
+    torch.library.opcheck(numba_backend.numba_attention, (q, k, v, *args))
+    out, lse, stats, argmax = (t.detach() for t in numba_backend.numba_attention(q, k, v, *args))
     assert out.dtype == torch.float32
-    torch.library.opcheck(numba_cpu.numba_attention_backward,
+    torch.library.opcheck(numba_backend.numba_attention_backward,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, stats, argmax,
                            torch.randn_like(lse), *args))
 

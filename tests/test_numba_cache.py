@@ -26,7 +26,7 @@ def writable(monkeypatch):
 
 def test_numba_finds_its_own_cache_where_it_can(writable):
     """Next to the module, or in the user cache: Numba's own choices, left alone."""
-    writable.add(os.path.join(os.path.dirname(backends.__file__), "__pycache__"))
+    writable.add(os.path.join(os.path.dirname(backends.__file__), "numba", "__pycache__"))
     assert backends.numba_cache_fallback() is None
     writable.clear()
     writable.add(backends._user_cache_dir())
@@ -67,8 +67,8 @@ def test_read_only_install_and_home_still_import_and_cache(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"}
     env.update(PYTHONPATH=str(install), HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"),
                PYTHONDONTWRITEBYTECODE="1")
-    code = ("import os; from sparse_attn.backends import numba_cpu; "
-            "print(numba_cpu._forward.stats.cache_path); print(os.environ['NUMBA_CACHE_DIR'])")
+    code = ("import os; from sparse_attn.backends.numba import forward; "
+            "print(forward.forward_kernel.stats.cache_path); print(os.environ['NUMBA_CACHE_DIR'])")
     try:
         done = subprocess.run([*runner, sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)

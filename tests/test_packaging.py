@@ -30,7 +30,7 @@ def test_wheel_contains_presets_and_py_typed(tmp_path):
                                     "sparse_attn.bench.harness",
                                     "sparse_attn.retention", "sparse_attn.kv_cache", "sparse_attn.shard_plan", "sparse_attn.assembly",
                                     "sparse_attn.tiles", "sparse_attn.packing",
-                                    "sparse_attn.distributed", "sparse_attn.backends.numba_bf16"])
+                                    "sparse_attn.distributed", "sparse_attn.backends.numba.bf16"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import sparse_attn as sa
-from sparse_attn.backends import numba_bf16, numba_cpu
-from sparse_attn.backends.numba_mods import call_modifiers
+from sparse_attn.backends.numba import backend as numba_backend
+from sparse_attn.backends.numba import bf16 as numba_bf16
+from sparse_attn.backends.numba.mods import call_modifiers
 from sparse_attn.score_mods import ScoreMods
 from tests.score_mods_oracle import oracle
 from tests.test_score_mods import CASES, MODS, make, modifiers
@@ -130,13 +131,13 @@ def bf16_floor(oracle_value):
 @pytest.mark.parametrize("softcap, slopes", [(3.0, None), (None, "examples"), (3.0, "heads")], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_bfloat16_within_the_tolerance_rule(case, softcap, slopes):
-    """bf16 q, k, v: bf16 matmuls where the CPU has native bf16 (numba_bf16.native()), else computed in
+    """bf16 q, k, v: bf16 matmuls where the CPU has native bf16 (``bf16.native()``), else computed in
     float32; against the oracle within 2x torch's bf16 error plus FlashAttention's half-precision floor."""
     c = case()
     inputs = [t.detach().bfloat16().double().requires_grad_() for t in case_inputs(c, dim=16)]   # bf16-exact
     mods = modifiers(softcap, slopes, True, c["shapes"][0], c["shapes"][1])
     layout = numba_layout(c)
-    assert numba_cpu.bf16_matmuls(inputs[0].bfloat16(), BLOCK) == numba_bf16.native()[0]
+    assert numba_backend.bf16_matmuls(inputs[0].bfloat16(), BLOCK) == numba_bf16.native()[0]
     got = outputs(through("numba", layout), *leaves(inputs, torch.bfloat16), cast(mods, torch.bfloat16))
     base = outputs(through("reference", layout), *leaves(inputs, torch.bfloat16), cast(mods, torch.bfloat16))
     want = outputs(with_oracle(c["mask"]), *inputs, mods)
@@ -220,7 +221,7 @@ def op_args(dtype, softcap, slopes):
     c = CASES[0]()
     q, k, v = leaves(case_inputs(c), dtype)
     layout = numba_layout(c)
-    return (q, k, v, *layout.index, layout.block_size, SCALE, softcap, slopes)
+    return (q, k, v, list(layout.index), layout.block_size, SCALE, softcap, slopes)
 
 
 @pytest.mark.parametrize("softcap, slopes", [(0.0, None), (3.0, torch.tensor([[0.5, 0.25, 0.125, 0.0625]])),
@@ -229,16 +230,16 @@ def test_the_custom_ops_take_softcap_and_slopes(softcap, slopes):
     """sparse_attn::numba_attention and its backward with softcap: float and alibi_slopes: Tensor | None
     (opcheck: schema, fakes, autograd registration), and gradcheck in float64 through them."""
     args = op_args(torch.float32, softcap, slopes)
-    torch.library.opcheck(numba_cpu.numba_attention, args)
+    torch.library.opcheck(numba_backend.numba_attention, args)
     q, k, v, *rest = op_args(torch.float64, softcap, None if slopes is None else slopes.double())
-    out, lse, stats, argmax = (t.detach() for t in numba_cpu.numba_attention(q, k, v, *rest))
-    torch.library.opcheck(numba_cpu.numba_attention_backward,
+    out, lse, stats, argmax = (t.detach() for t in numba_backend.numba_attention(q, k, v, *rest))
+    torch.library.opcheck(numba_backend.numba_attention_backward,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, stats, argmax,
                            torch.randn_like(lse), *rest))
     small = [t[:1, :2, :20].detach().requires_grad_() for t in (q, k, v)]
     layout = sa.Local(3).layout(20, heads=2, block_size=8)
     mods = ScoreMods(softcap, None if slopes is None else slopes[:1, :2].double().contiguous())
-    assert torch.autograd.gradcheck(lambda q, k, v: numba_cpu.attention(q, k, v, layout, SCALE, mods), small)
+    assert torch.autograd.gradcheck(lambda q, k, v: numba_backend.attention(q, k, v, layout, SCALE, mods), small)
 
 
 def test_unmodified_calls_take_the_unmodified_kernels():

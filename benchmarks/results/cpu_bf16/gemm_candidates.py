@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from sparse_attn import machine
-from sparse_attn.backends import numba_bf16
-from sparse_attn.backends.numba_lowlevel import gemm, scipy_openblas
+from sparse_attn.backends.numba import bf16 as numba_bf16
+from sparse_attn.backends.numba.lowlevel import gemm, scipy_openblas
 
 SHAPES = [(64, 64, 64), (64, 256, 64), (64, 576, 64), (64, 1024, 64), (64, 64, 576), (64, 64, 1024), (64, 128, 128)]
 HERE = Path(__file__).parent

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
-from sparse_attn.backends import numba_bf16
+from sparse_attn.backends.numba import bf16 as numba_bf16
 
 BATCH, HEADS, DIM = 1, 8, 64
 PATTERN = sa.Local(256) | sa.Global(first=16)
