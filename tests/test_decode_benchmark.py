@@ -39,7 +39,8 @@ def test_every_implementation_computes_the_decode_step(impl):
                                                                enable_gqa=True)
     torch.testing.assert_close(step(q, k, v), expected, atol=1e-5, rtol=1e-5)
     per_token = 2 * bench.KV_HEADS * bench.DIM * 4
-    held = {"SparseKVCache": 4 + 4096, "sliding window + sdpa": bench.WINDOW - 1}.get(impl, n + 1)
+    held = {"SparseKVCache": 4 + 4096, "held keys + sdpa": 4 + 4096,
+            "sliding window + sdpa": bench.WINDOW - 1}.get(impl, n + 1)
     assert nbytes() == held * per_token
 
 
