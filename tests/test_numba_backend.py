@@ -17,7 +17,7 @@ import sparse_attn as sa
 from sparse_attn.api import sparse_attention
 from sparse_attn.backends import numba as numba_package
 from sparse_attn.backends.numba import backend as numba_backend
-from sparse_attn.backends.numba import bundles, lowlevel, panels, schedule
+from sparse_attn.backends.numba import backward, bundles, forward, lowlevel, mods, near_max, panels, schedule
 
 from .tolerance import assert_within_rule
 
@@ -477,8 +477,8 @@ def test_block_size_beyond_the_sequence_uses_memory_of_the_sequence():
     assert json.loads(run.stdout.splitlines()[-1]) == [True, True]
 
 
-@pytest.mark.parametrize("module", [numba_package, numba_backend, bundles, lowlevel, panels, schedule],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [numba_package, numba_backend, forward, backward, panels, near_max, schedule, bundles,
+                                    mods, lowlevel], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

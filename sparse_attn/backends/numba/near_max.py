@@ -6,8 +6,10 @@ BLAS rounds a score of 1000 a few ulps differently in the forward's and the back
 both passes: the products summed in float64, rounded once (see the package docstring, Precision).
 
 >>> import numpy as np
+>>> from numba import njit
 >>> from sparse_attn.backends.numba.near_max import large_logits
->>> large_logits(np.float32(40.0)), large_logits(np.float32(3.0)), large_logits(40.0)
+>>> large = njit(lambda row_max: large_logits(row_max))      # kernels' code: called from compiled code
+>>> large(np.float32(40.0)), large(np.float32(3.0)), large(40.0)     # float64 rows never
 (True, False, False)
 """
 from __future__ import annotations
