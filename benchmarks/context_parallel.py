@@ -106,7 +106,7 @@ def computed_point(plan: ShardPlan, n: int, world: int) -> dict:
            "total_max": int(sum(traffic[d] for d in DIRECTIONS).max()),
            "total_mean": float(sum(traffic[d] for d in DIRECTIONS).mean()),
            "work_max_over_mean": float(plan.work.max() / plan.work.mean()),
-           "shipped_rows": int(plan.lse_rows.sum()),
+           "shipped_rows": int(plan.shipped_rows.sum()),
            "ring": ring_bytes(n, world, HEADS, DIM, ITEMSIZE)}
     row["ring_total"] = sum(row["ring"].values())
     return row

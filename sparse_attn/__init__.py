@@ -11,17 +11,41 @@ and pattern files load without paying for torch.
 """
 from importlib import import_module
 
-from .pattern import (Blocks, Causal, Complement, Dense, Dilated, Global, Intersection, Local, Pattern, PerHead, Random,
-                      Sink, Stride, Union)
-from .presets import bigbird, list_presets, load_pattern, longformer, preset, save_pattern, sparse_transformer, streaming
+from .pattern import (
+    Blocks,
+    Causal,
+    Complement,
+    Dense,
+    Dilated,
+    Global,
+    Intersection,
+    Local,
+    Pattern,
+    PerHead,
+    Random,
+    Sink,
+    Stride,
+    Union,
+)
+from .presets import (
+    bigbird,
+    list_presets,
+    load_pattern,
+    longformer,
+    preset,
+    save_pattern,
+    sparse_transformer,
+    streaming,
+)
 
 _LAZY = {"BlockLayout": ".layout", "sparse_attention": ".api", "attention_weights": ".weights", "nn": ".nn",
-         "documents_from_lengths": ".documents", "documents_from_cu_seqlens": ".documents", "SparseKVCache": ".kv_cache"}
+         "documents_from_lengths": ".documents", "documents_from_cu_seqlens": ".documents",
+         "SparseKVCache": ".kv_cache"}
 
 __all__ = ["Pattern", "Local", "Stride", "Dilated", "Global", "Sink", "Random", "Causal", "Dense", "Blocks", "Union",
-           "Intersection", "Complement", "PerHead", "BlockLayout", "sparse_attention", "attention_weights", "longformer", "bigbird",
-           "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern", "save_pattern", "nn",
-           "documents_from_lengths", "documents_from_cu_seqlens", "SparseKVCache"]
+           "Intersection", "Complement", "PerHead", "BlockLayout", "sparse_attention", "attention_weights",
+           "longformer", "bigbird", "sparse_transformer", "streaming", "preset", "list_presets", "load_pattern",
+           "save_pattern", "nn", "documents_from_lengths", "documents_from_cu_seqlens", "SparseKVCache"]
 
 
 def __getattr__(name: str):

@@ -135,7 +135,7 @@ def _index_while_tracing(device, pattern, batch, heads, n_q, n_k, block_size, ca
 
 # torch.compiler.assume_constant_result's mark, set without importing Dynamo (a second and 100+ MB): Dynamo runs
 # the function while tracing and keeps its result as constants of the graph.
-_index_while_tracing._dynamo_marked_constant = True
+_index_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # a mark on a function object
 
 
 def _constructed(pattern: Pattern) -> bool:
@@ -181,7 +181,7 @@ def resolve_scale(scale, head_dim: int) -> float:
     """``scale``, defaulting to 1 / sqrt(head_dim); any finite positive real (numpy scalars included)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not 0 < scale < math.inf:  # type: ignore[operator]
         raise ValueError(f"scale must be a finite positive float, got {scale!r}")
     return float(scale)
 

@@ -56,8 +56,8 @@ def _check_figure_path(path: Path) -> None:
             from None
     formats = Figure().canvas.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
-        raise UsageError(f"--out {path}: expected a file name ending in a figure format ({', '.join(sorted(formats))}), "
-                         f"e.g. fig.png")
+        raise UsageError(f"--out {path}: expected a file name ending in a figure format "
+                         f"({', '.join(sorted(formats))}), e.g. fig.png")
     if path.is_dir():
         raise UsageError(f"--out {path} is a directory; give a file name such as {path / 'fig.png'}")
     _writable_dir(path.parent, f"--out {path}")
@@ -168,7 +168,6 @@ def cmd_show(args) -> None:
 
 def bench_patterns(labels: Sequence[str], num_heads: int) -> dict[str, Pattern]:
     """label -> Pattern for ``bench --patterns``, each checked against ``--num-heads``."""
-    from . import bench
 
     patterns = {}
     for label in labels:
@@ -195,7 +194,8 @@ def _check_bench_setup(args, implementations: Sequence[str]) -> None:
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
-    for module, why in (("matplotlib", "time.png and memory.png"), ("tqdm", "the progress bar (or pass --no-progress)")):
+    needs = (("matplotlib", "time.png and memory.png"), ("tqdm", "the progress bar (or pass --no-progress)"))
+    for module, why in needs:
         if (module == "matplotlib" or not args.no_progress) and importlib.util.find_spec(module) is None:
             raise UsageError(f"bench needs {module} for {why}: pip install 'sparse-attn[bench]'")
     _check_bench_dir(args.out, args.overwrite)

@@ -34,12 +34,12 @@ from .checks import check_bool, check_int, check_token_mask
 from .documents import Spans, check_documents, document_ids, document_spans, document_values
 from .layout import BlockLayout, CallData
 from .packing import DOCUMENT_CLASSES, DocumentClassCache, document_blocks, document_classes
-from .rules import Context, resolve, with_call_data
+from .rules import Context, PatternSpec, resolve, with_call_data
 from .tiles import blocks_and_tiles, distinct_packed_tiles
 
 
 @host_only  # host-side numpy: under torch.compile a graph break, not a trace
-def build_layout(pattern, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64, *,
+def build_layout(pattern: PatternSpec, n_q: int, n_k: int | None = None, heads: int = 1, block_size: int = 64, *,
                  causal: bool = False, global_mask=None, key_padding_mask=None, documents=None,
                  cache: bool = True, batch: int | None = None,
                  classes: DocumentClassCache | None = None) -> BlockLayout:
@@ -258,7 +258,7 @@ def layout_bytes(layout: BlockLayout) -> int:
 LAYOUT_CACHE = LayoutCache(budget=256 << 20)  # what build_layout keeps; set LAYOUT_CACHE.budget to change it
 
 
-def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask,
+def _compile(pattern: PatternSpec, n_q, n_k, heads, block_size, causal, global_mask, key_padding_mask,
              documents: _Documents | None, classes: DocumentClassCache) -> BlockLayout:
     """The layout of checked arguments; the masks are bool numpy arrays (batch, n) or None; ``classes``: the
     classified documents to reuse and add to."""
@@ -268,7 +268,8 @@ def _compile(pattern, n_q, n_k, heads, block_size, causal, global_mask, key_padd
     batch = next((m.shape[0] for m in (global_mask, key_padding_mask) if m is not None),
                  None if documents is None else documents.batch)
     n_heads = heads if pattern.head_dependent else 1
-    tables, tiles = [], []
+    tables: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    tiles: list[np.ndarray] = []
     for b in range(batch or 1):
         positions = None if global_mask is None else global_mask[b]
         padding = None if key_padding_mask is None else key_padding_mask[b]

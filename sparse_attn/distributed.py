@@ -25,7 +25,7 @@ import functools
 import hashlib
 import numbers
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -80,6 +80,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     except Exception as error:                      # shared with the other ranks below, then raised here
         call, failure = None, error
     table = _agree(call, failure, group, q)
+    assert call is not None  # a rank whose checks failed raised in _agree
     shard_sizes = tuple(row[0] for row in table)
     _check_whole_masks(call, shard_sizes)
     _check_same(table)
@@ -311,11 +312,11 @@ def _attend(program: RankProgram, q, k, v, module, scale: float, mods: ScoreMods
     out, lse = _run(module, padded, keys, values, program.local_layout, program.local_calls, scale, mods)
     out = out[:, :, program.rows_before:program.rows_before + n_rank]           # (B, Hq, n_rank, D)
     lse = lse[:, :, program.rows_before:program.rows_before + n_rank]           # (B, Hq, n_rank)
-    if program.lse_layout is None:
+    if program.shipped_layout is None:
         return out, lse
     shipped_out, shipped_lse = _shipped_rows(program, q, keys, values, module, scale, mods, group, world)
-    return (out.index_copy(2, program.lse_rows, shipped_out.to(out.dtype)),
-            lse.index_copy(2, program.lse_rows, shipped_lse.to(lse.dtype)))
+    return (out.index_copy(2, program.shipped_rows, shipped_out.to(out.dtype)),
+            lse.index_copy(2, program.shipped_rows, shipped_lse.to(lse.dtype)))
 
 
 def _compact(program: RankProgram, own: torch.Tensor, fetched: torch.Tensor, shape) -> torch.Tensor:
@@ -331,17 +332,18 @@ def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, m
     """This rank's shipped rows: sent to every rank, attended there over that rank's keys, the partial results
     sent back and combined by log-sum-exp. Returns out (B, Hq, n_ship, D) and lse (B, Hq, n_ship)."""
     batch, q_heads, _, head_dim = q.shape
-    n_ship = len(program.lse_rows)
-    rows = q.index_select(2, program.lse_rows).permute(2, 0, 1, 3).reshape(n_ship, batch * q_heads * head_dim)
-    received = _Exchange.apply(rows.repeat(world, 1), [n_ship] * world, program.lse_recv_counts, group)
-    n_q = program.lse_layout.n_q
-    shipped = received.new_zeros(n_q, received.shape[1]).index_copy(0, program.lse_slots, received)
+    n_ship = len(program.shipped_rows)
+    rows = q.index_select(2, program.shipped_rows).permute(2, 0, 1, 3).reshape(n_ship, batch * q_heads * head_dim)
+    received = _Exchange.apply(rows.repeat(world, 1), [n_ship] * world, program.shipped_recv_counts, group)
+    assert program.shipped_layout is not None  # a rank ships rows only where the plan has a layout for them
+    n_q = program.shipped_layout.n_q
+    shipped = received.new_zeros(n_q, received.shape[1]).index_copy(0, program.shipped_slots, received)
     shipped = shipped.view(n_q, batch, q_heads, head_dim).permute(1, 2, 0, 3)          # (B, Hq, n_q, D)
-    part_out, part_lse = _run(module, shipped.contiguous(), keys, values, program.lse_layout, program.lse_calls,
+    part_out, part_lse = _run(module, shipped.contiguous(), keys, values, program.shipped_layout, program.shipped_calls,
                               scale, mods)
     partial = torch.cat([part_out.to(part_lse.dtype), part_lse[..., None]], dim=-1)    # (B, Hq, n_q, D + 1)
-    partial = partial.permute(2, 0, 1, 3).reshape(n_q, -1).index_select(0, program.lse_slots)  # (sent, B*Hq*(D+1))
-    back = _Exchange.apply(partial, program.lse_recv_counts, [n_ship] * world, group)
+    partial = partial.permute(2, 0, 1, 3).reshape(n_q, -1).index_select(0, program.shipped_slots)  # (sent, B*Hq*(D+1))
+    back = _Exchange.apply(partial, program.shipped_recv_counts, [n_ship] * world, group)
     back = back.view(world, n_ship, batch, q_heads, head_dim + 1)                  # (W, n_ship, B, Hq, D + 1)
     out, lse = combine_partials(back[..., :head_dim], back[..., head_dim])
     return out.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
@@ -402,8 +404,8 @@ def _program(layout: BlockLayout, shard_sizes: tuple[int, ...], rank: int, q_bat
     plan = ShardPlan.build(layout, shard_sizes, kv_heads=kv_heads, q_batch=q_batch, kv_batch=kv_batch,
                            itemsize=itemsize)
     program = plan.program(rank, alibi=alibi)
-    moved = {name: value.to(device) for name, value in program._asdict().items()
+    moved: dict[str, Any] = {name: value.to(device) for name, value in program._asdict().items()
              if isinstance(value, (torch.Tensor, BlockLayout))}
-    calls = {name: tuple(c._replace(layout=c.layout.to(device)) for c in getattr(program, name))
-             for name in ("local_calls", "lse_calls")}
+    calls: dict[str, Any] = {name: tuple(c._replace(layout=c.layout.to(device)) for c in getattr(program, name))
+             for name in ("local_calls", "shipped_calls")}
     return program._replace(**moved, **calls)

@@ -98,7 +98,8 @@ def _run_starts(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(example, first position) of every run of equal ids, sorted."""
     change = np.ones(ids.shape, dtype=bool)
     change[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return np.nonzero(change)
+    examples, starts = np.nonzero(change)
+    return examples, starts
 
 
 def document_spans(ids: np.ndarray) -> Spans:

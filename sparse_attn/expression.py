@@ -32,11 +32,13 @@ import functools
 import operator
 import os
 import re
+from collections.abc import Callable
 
 from . import presets
 from .pattern import KINDS, Pattern, PerHead
 
-CONSTRUCTORS = {  # every pattern kind by its class name, then the named constructors of presets.py
+# every pattern kind by its class name, then the named constructors of presets.py
+CONSTRUCTORS: dict[str, Callable[..., Pattern]] = {
     **{cls.__name__: cls for cls in KINDS.values()}, "longformer": presets.longformer, "bigbird": presets.bigbird,
     "sparse_transformer": presets.sparse_transformer, "streaming": presets.streaming, "preset": presets.preset,
 }
@@ -127,10 +129,11 @@ def _parse_expression(text: str) -> Pattern:
 def _operands(node: ast.BinOp) -> list[ast.AST]:
     """``a | b | c`` parses as ``(a | b) | c``: its operands left to right, without recursion."""
     op, operands = type(node.op), []
-    while isinstance(node, ast.BinOp) and isinstance(node.op, op):
-        operands.append(node.right)
-        node = node.left
-    return [node, *reversed(operands)]
+    left: ast.expr = node
+    while isinstance(left, ast.BinOp) and isinstance(left.op, op):
+        operands.append(left.right)
+        left = left.left
+    return [left, *reversed(operands)]
 
 
 def _evaluate(node: ast.AST):
@@ -167,7 +170,7 @@ def _evaluate(node: ast.AST):
         if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
             raise PatternTextError("pattern expression: *args and **kwargs are not allowed")
         args = [_evaluate(a) for a in node.args]
-        kwargs = {k.arg: _evaluate(k.value) for k in node.keywords}
+        kwargs = {k.arg: _evaluate(k.value) for k in node.keywords if k.arg is not None}  # None: refused above
         return CONSTRUCTORS[node.func.id](*args, **kwargs)
     if isinstance(node, ast.Name) and node.id in CONSTRUCTORS:
         raise PatternTextError(f"pattern expression: {node.id} must be called, e.g. {node.id}(...)")

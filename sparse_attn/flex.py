@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,8 +51,19 @@ from .blocks import ceil_div, check_lengths
 from .checks import check_bool, check_int
 from .compiler import check_call_masks
 from .documents import Spans, document_spans, document_values, per_token
-from .rules import (CausalRule, Context, DenseRule, IntersectionRule, Rule, StrideRule, TilesRule, UnionRule,
-                    WindowRule, random_tiles, resolve)
+from .rules import (
+    CausalRule,
+    Context,
+    DenseRule,
+    IntersectionRule,
+    Rule,
+    StrideRule,
+    TilesRule,
+    UnionRule,
+    WindowRule,
+    random_tiles,
+    resolve,
+)
 
 FEW_TOKENS = 8  # Global/Sink token lists up to this long are compared as constants, longer ones looked up
 
@@ -295,7 +307,7 @@ def _per_head(spec, env, heads, siblings) -> Predicate:
 def _global(spec, env, heads, siblings) -> Predicate:
     rows = _token_test(env, True, spec.tokens, spec.first, spec.last)
     cols = _token_test(env, False, spec.tokens, spec.first, spec.last)
-    if rows is None:
+    if rows is None or cols is None:     # both or neither: the same tokens, first and last
         return lambda x: torch.zeros_like(x.i - x.j, dtype=torch.bool)
     return lambda x: rows(x) | cols(x)
 
@@ -324,16 +336,17 @@ def _token_test(env: _Env, rows: bool, tokens, first: int, last: int) -> Predica
     negative = rows and docs is None and env.n_q > env.n_k       # query positions start below 0
     position = (lambda x: x.i) if rows else (lambda x: x.j)
     index = (lambda x: x.q) if rows else (lambda x: x.kv)
-    tests = []
+    tests: list[Predicate] = []
     if first:
         tests.append((lambda x: (position(x) >= 0) & (position(x) < first)) if negative
                      else (lambda x: position(x) < first))
     if last and docs is None:
         tests.append(lambda x: position(x) >= n - last)
-    elif last:
-        tests.append(lambda x: position(x) >= at(docs.length, x.b, index(x)) - last)
+    elif last and docs is not None:
+        lengths = docs.length
+        tests.append(lambda x: position(x) >= at(lengths, x.b, index(x)) - last)
     if len(tokens) <= FEW_TOKENS:
-        tests += [lambda x, t=t: position(x) == t for t in tokens]
+        tests += [lambda x, t=t: position(x) == t for t in tokens]  # type: ignore[misc]  # mypy: no lambda defaults
     else:
         member = np.zeros(n, dtype=bool)
         member[tokens] = True

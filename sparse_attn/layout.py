@@ -24,7 +24,8 @@ library's block layout, and checked (by ``sparse_attn.layout_checks``).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch

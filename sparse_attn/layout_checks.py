@@ -86,7 +86,8 @@ def _contiguous_on_one_device(tensors: Mapping[str, object]) -> dict[str, torch.
         checked[name] = tensor
     devices = {tensor.device for tensor in checked.values()}
     if len(devices) > 1:
-        raise ValueError(f"BlockLayout tensors must be on one device, got {sorted(map(str, devices))}; move them with .to()")
+        raise ValueError(f"BlockLayout tensors must be on one device, got {sorted(map(str, devices))}; "
+                         "move them with .to()")
     return {name: tensor.contiguous() for name, tensor in checked.items()}
 
 
@@ -114,7 +115,8 @@ def _checked_entries(grid: _Grid, host: dict[str, np.ndarray], kind: str) -> _En
     tile = host["part_mask"] if part else np.full(len(host["full_idx"]), -1)
     tile_t = host["part_t_mask"] if part else np.full(len(host["full_t_idx"]), -1)
     if part and len(tile) and (min(tile.min(), tile_t.min()) < 0 or max(tile.max(), tile_t.max()) >= n_masks):
-        raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {n_masks}) (the length of masks)")
+        raise ValueError(f"BlockLayout part_mask and part_t_mask must hold tile ids in [0, {n_masks}) "
+                         "(the length of masks)")
     g, r = _csr_rows(f"{kind}_ptr", host[f"{kind}_ptr"], f"{kind}_idx", host[f"{kind}_idx"], grid.n_k_blocks)
     g_t, c_t = _csr_rows(f"{kind}_t_ptr", host[f"{kind}_t_ptr"], f"{kind}_t_idx", host[f"{kind}_t_idx"],
                          grid.n_q_blocks)

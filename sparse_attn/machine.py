@@ -22,7 +22,7 @@ from pathlib import Path
 
 def versions(packages) -> dict[str, str | None]:
     """Installed version of each package (by its distribution name), None where it is not installed."""
-    found = {}
+    found: dict[str, str | None] = {}
     for package in packages:
         try:
             found[package] = importlib.metadata.version(package)
@@ -33,7 +33,7 @@ def versions(packages) -> dict[str, str | None]:
 
 def cpus() -> int:
     """CPUs this process may run on (its affinity, which a container may limit)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_model() -> str:
@@ -50,7 +50,8 @@ def cpu_model() -> str:
 def load_average() -> tuple[float, float, float]:
     """Runnable processes averaged over the last 1, 5 and 15 minutes (2 decimals, as the kernel keeps them):
     on a shared machine, how busy it was while something was timed (record it before and after)."""
-    return tuple(round(x, 2) for x in os.getloadavg())
+    one, five, fifteen = os.getloadavg()
+    return round(one, 2), round(five, 2), round(fifteen, 2)
 
 
 def status_bytes(field: str) -> int:

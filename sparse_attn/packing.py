@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,8 @@ def document_classes(spans: Spans, step: int, global_row, padding_row):
     code = length[shared] * step + offset[shared]
     values, inverse = np.unique(code, return_inverse=True)
     groups = np.split(shared[np.argsort(inverse, kind="stable")], np.cumsum(np.bincount(inverse.reshape(-1)))[:-1])
-    classes = {(int(v // step), int(v % step), None, None): g for v, g in zip(values, groups)}
+    classes: dict[tuple, Any] = {(int(v // step), int(v % step), None, None): g  # arrays, then lists of own docs
+                                 for v, g in zip(values, groups)}
     for d in np.flatnonzero(own):
         s, e = spans.start[d], spans.start[d] + length[d]
         key = (int(length[d]), int(offset[d]),
@@ -116,7 +118,7 @@ def document_blocks(pattern, head: int, causal: bool, groups: list, spans: Spans
     from the parts' tiles and then classified against the block's area.
     """
     n_kb = ceil_div(n, step)
-    pool, out, cut_keys, cut_tiles = [], [], [], []       # tiles; uncut (keys, full, tile); cut parts
+    pool_parts, out, cut_keys, cut_tiles = [], [], [], []  # tiles; uncut (keys, full, tile); cut parts
     n_pool = 0
     for key, members in groups:
         found = classes.get((pattern, head, causal, step, key))
@@ -131,9 +133,9 @@ def document_blocks(pattern, head: int, causal: bool, groups: list, spans: Spans
         out.append((shifted[:, ~cut].reshape(-1), np.tile(full[~cut], len(members)), np.tile(tile[~cut], len(members))))
         cut_keys.append(shifted[:, cut].reshape(-1))
         cut_tiles.append(np.tile(tile[cut], len(members)))
-        pool.append(tiles)
+        pool_parts.append(tiles)
         n_pool += len(tiles)
-    pool = np.concatenate(pool) if pool else np.zeros((0, step, ceil_div(step, 8)), dtype=np.uint8)
+    pool = np.concatenate(pool_parts) if pool_parts else np.zeros((0, step, ceil_div(step, 8)), dtype=np.uint8)
     no_parts = np.zeros(0, dtype=np.int64)
     *merged_blocks, merged = _merge_parts(np.concatenate(cut_keys or [no_parts]),
                                           np.concatenate(cut_tiles or [no_parts]), pool, n, step)

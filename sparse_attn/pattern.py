@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class Pattern:
     """
 
     kind: ClassVar[str]  # the serialisation tag ("local", "union", ...), which rules dispatch on
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every kind is a dataclass
     _depth: ClassVar[int] = 0  # combinator levels in this pattern (set per instance on combinators)
 
     def __init_subclass__(cls, **kwargs):
@@ -196,7 +197,7 @@ class Pattern:
     # --- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """Plain dict of builtins, e.g. ``{"type": "local", "before": 256}``; see ``from_dict``."""
-        d = {"type": self.kind}
+        d: dict[str, Any] = {"type": self.kind}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple) and value and isinstance(value[0], Pattern):
@@ -217,7 +218,7 @@ class Pattern:
         return _from_dict(d, level=0)
 
     def __repr__(self) -> str:
-        parts = []
+        parts: list[str] = []
         for index, f in enumerate(dataclasses.fields(self)):
             value = getattr(self, f.name)
             if f.default is dataclasses.MISSING and index == len(parts):
@@ -229,7 +230,8 @@ class Pattern:
     # --- internals -----------------------------------------------------------------------------
     def _default(self, f: dataclasses.Field):
         """A field's default; ``after`` defaults to ``before`` (symmetric windows)."""
-        return self.before if f.name == "after" else _field_default(f)
+        # only Local has ``after``, and it has ``before``
+        return self.before if f.name == "after" else _field_default(f)  # type: ignore[attr-defined]
 
     def check_heads(self, heads: int) -> None:
         check_int("heads", heads, 1)
@@ -522,7 +524,8 @@ class Blocks(Pattern):
         return Blocks, (self.blocks, self.block_size)
 
     def _key(self) -> tuple:
-        return self.blocks.shape, self.block_size, self._bits
+        # _bits is set in __post_init__, outside the dataclass fields (not in repr, to_dict or ==)
+        return self.blocks.shape, self.block_size, self._bits  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         grid = self.blocks
@@ -550,7 +553,9 @@ class Blocks(Pattern):
         >>> Blocks([[1, 0], [1, 1]], block_size=2).check_grid(5, 4)
         Traceback (most recent call last):
         ...
-        ValueError: Blocks grid of 2 x 2 blocks of 2 tokens does not fit n_q=5, n_k=4: they need ceil(5 / 2) = 3 rows and ceil(4 / 2) = 2 columns; build the grid for these lengths (3 x 2 blocks), or use lengths of 3..4 queries and 3..4 keys with this grid
+        ValueError: Blocks grid of 2 x 2 blocks of 2 tokens does not fit n_q=5, n_k=4: they need ceil(5 / 2) = 3
+        rows and ceil(4 / 2) = 2 columns; build the grid for these lengths (3 x 2 blocks), or use lengths of 3..4
+        queries and 3..4 keys with this grid
         """
         rows, cols = self.blocks.shape[-2:]
         bs = self.block_size
@@ -559,8 +564,8 @@ class Blocks(Pattern):
             raise ValueError(
                 f"Blocks grid of {rows} x {cols} blocks of {bs} tokens does not fit n_q={n_q}, n_k={n_k}: they need "
                 f"ceil({n_q} / {bs}) = {need_rows} rows and ceil({n_k} / {bs}) = {need_cols} columns; build the grid "
-                f"for these lengths ({need_rows} x {need_cols} blocks), or use lengths of "
-                f"{(rows - 1) * bs + 1}..{rows * bs} queries and {(cols - 1) * bs + 1}..{cols * bs} keys with this grid")
+                f"for these lengths ({need_rows} x {need_cols} blocks), or use lengths of {(rows - 1) * bs + 1}.."
+                f"{rows * bs} queries and {(cols - 1) * bs + 1}..{cols * bs} keys with this grid")
 
 
 def _bool_grid(blocks) -> np.ndarray:
@@ -607,7 +612,7 @@ def _set_members(node: Pattern, members: tuple[Pattern, ...]) -> None:
 
 
 def _flatten(cls, patterns) -> tuple[Pattern, ...]:
-    flat = []
+    flat: list[Pattern] = []
     for p in patterns:
         check_pattern(f"every member of {cls.__name__}", p)
         flat.extend(p.patterns if type(p) is cls else (p,))

@@ -16,6 +16,7 @@ import json
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .blocks import ceil_div
 from .checks import check_int
@@ -59,7 +60,7 @@ def bigbird(block: int = 64, window_blocks: int = 3, global_blocks: int = 2, ran
     if window_blocks % 2 == 0:
         raise ValueError(f"window_blocks must be odd (the query block plus as many on each side), got "
                          f"{window_blocks}; use {window_blocks + 1}")
-    pattern = Local(window_blocks // 2, block_size=block)
+    pattern: Pattern = Local(window_blocks // 2, block_size=block)
     if global_blocks:
         pattern = pattern | Global(first=ceil_div(global_blocks, 2) * block, last=global_blocks // 2 * block)
     if random_blocks:
@@ -206,7 +207,7 @@ def load_pattern(path) -> Pattern:
 
 def save_pattern(pattern: Pattern, path, description: str = "", heads: int | None = None) -> None:
     """Write ``pattern`` as a TOML preset file."""
-    doc = {"name": Path(path).stem, "description": description}
+    doc: dict[str, Any] = {"name": Path(path).stem, "description": description}
     if heads is not None:
         pattern.check_heads(heads)
         doc["heads"] = heads

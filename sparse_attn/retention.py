@@ -46,13 +46,14 @@ the pattern) and ``checks``; none of them imports it. ``kv_cache`` imports it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from .checks import check_int
 from .pattern import check_pattern
-from .rules import Context, resolve
+from .rules import Context, PatternSpec, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Retention:
     exact:       whether kept() evaluates the pattern (exact and minimal) or returns the stored superset.
     """
 
-    pattern: object
+    pattern: PatternSpec
     heads: int
     bounded: bool
     fixed: tuple[int, ...]
@@ -86,7 +87,7 @@ class Retention:
         """
         t, n = check_int("t", t, 0), check_int("n", n, 0)
         if not self.bounded or t <= self.dense_until:
-            candidates = np.arange(n, dtype=np.int64)
+            candidates: np.ndarray = np.arange(n, dtype=np.int64)
         else:
             start = min(max(t - self.window, 0), n)                  # the window: start .. n - 1
             fixed = np.asarray([p for p in self.fixed if p < start], dtype=np.int64)
@@ -117,7 +118,7 @@ class _Bound:
     dense_until: int = -1
 
 
-def retention(pattern, heads: int | None = None) -> Retention:
+def retention(pattern: PatternSpec, heads: int | None = None) -> Retention:
     """The retention of ``pattern`` for ``heads`` query heads; None: as many as a ``PerHead`` (or a per-head
     ``Blocks`` grid) in the pattern names, else 1 (only ``kept``'s evaluation of such a pattern depends on them).
 

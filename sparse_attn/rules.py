@@ -15,7 +15,7 @@ pattern for the head picked, ``Random``'s tiles chosen. A rule answers three que
 numpy int64 arrays and none of them N x N:
 
 - ``allows(i, j)``: token level, may the query at position i and the key at position j interact?
-- ``classify(blocks)``: for blocks given by their token ranges (:class:`Blocks`), is the block
+- ``classify(blocks)``: for blocks given by their token ranges (:class:`BlockRanges`), is the block
   nonempty, full (every valid pair allowed), and a *signature*: two blocks of one rule with equal
   signatures have the same token mask (up to the block's own bounds), so a layout materialises one
   mask per signature instead of one per block.
@@ -42,11 +42,34 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Callable, ClassVar, NamedTuple
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
 from .blocks import block_bounds, ceil_div
+
+
+class PatternSpec(Protocol):
+    """What the compiler, the rules and retention read from a pattern spec (``sparse_attn.Pattern`` is one):
+    ``kind`` picks its resolver in ``RESOLVERS``; the spec's own fields are read by that resolver.
+
+    >>> import sparse_attn as sa
+    >>> spec: PatternSpec = sa.Local(2) | sa.Global(first=1)
+    >>> spec.kind, spec.head_dependent, len(spec.children)
+    ('union', False, 2)
+    """
+
+    @property
+    def kind(self) -> str: ...                         # the resolver's key ("local", "union", ...)
+
+    @property
+    def head_dependent(self) -> bool: ...              # may heads differ (else one layout head serves all)
+
+    @property
+    def children(self) -> tuple[PatternSpec, ...]: ...  # the specs a combinator combines; () for a leaf
+
+    def check_heads(self, heads: int) -> None: ...      # a ValueError unless it runs with ``heads`` query heads
 
 
 class Context(NamedTuple):
@@ -72,7 +95,7 @@ class Context(NamedTuple):
         return first + self.shift, last + self.shift
 
 
-class Blocks(NamedTuple):
+class BlockRanges(NamedTuple):
     """Blocks as inclusive position ranges: queries i0..i1, keys j0..j1 (int64 arrays)."""
 
     i0: np.ndarray
@@ -81,14 +104,14 @@ class Blocks(NamedTuple):
     j1: np.ndarray
 
     @staticmethod
-    def at(ctx: Context, rows: np.ndarray, cols: np.ndarray, block_size: int, offset: int = 0) -> Blocks:
+    def at(ctx: Context, rows: np.ndarray, cols: np.ndarray, block_size: int, offset: int = 0) -> BlockRanges:
         """Blocks (rows[k], cols[k]) of ``block_size`` tokens, cut at the sequence ends. With ``offset`` the
         block grid starts ``offset`` tokens before position 0 (where a packed document lies in the blocks
         of its row), so the first blocks are cut as well."""
         i0, i1 = block_bounds(rows, block_size, ctx.n_q + offset)
         j0, j1 = block_bounds(cols, block_size, ctx.n_k + offset)
-        return Blocks(np.maximum(i0 - offset, 0) + ctx.shift, i1 - offset + ctx.shift, np.maximum(j0 - offset, 0),
-                      j1 - offset)
+        return BlockRanges(np.maximum(i0 - offset, 0) + ctx.shift, i1 - offset + ctx.shift,
+                           np.maximum(j0 - offset, 0), j1 - offset)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -98,11 +121,11 @@ class Rule(abc.ABC):
     """A pattern resolved for one :class:`Context`; see the module docstring for the three questions."""
 
     @abc.abstractmethod
-    def allows(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    def allows(self, i: np.ndarray | np.integer, j: np.ndarray) -> np.ndarray:
         """May query position ``i`` and key position ``j`` interact (bool, broadcast shape)?"""
 
     @abc.abstractmethod
-    def classify(self, b: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def classify(self, b: BlockRanges) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(nonempty, full, signature) of every block; a signature is a vector or an (n, k) matrix."""
 
     def candidates(self, ctx: Context, block_size: int) -> np.ndarray | None:
@@ -304,6 +327,7 @@ class _CombinationRule(Rule):
     operator are flattened into it."""
 
     _combine: ClassVar[np.ufunc]
+    members: tuple[Rule, ...]
 
     def __init__(self, *members: Rule):
         self.members = tuple(m for member in members
@@ -369,7 +393,7 @@ def resolver(kind: str):
     return register
 
 
-def resolve(spec, ctx: Context) -> Rule:
+def resolve(spec: PatternSpec, ctx: Context) -> Rule:
     """The rule a Pattern spec stands for in ``ctx``: sugar expanded, positions found, Random tiles chosen."""
     kind = getattr(spec, "kind", None)
     if kind not in RESOLVERS:
@@ -551,7 +575,7 @@ def _touched_before(rule: Rule, ctx: Context, u: int, rows: np.ndarray, n_kt: in
 def _touched_at_first_positions(rule: Rule, u: int, n_kt: int, keys: np.ndarray) -> np.ndarray:
     """The tiles ``keys`` (R * n_kt + c, c < R) that ``rule`` touches at position R * u."""
     first_position, first_key = keys // n_kt * u, keys % n_kt * u
-    nonempty, _, _ = rule.classify(Blocks(first_position, first_position, first_key, first_key + u - 1))
+    nonempty, _, _ = rule.classify(BlockRanges(first_position, first_position, first_key, first_key + u - 1))
     return keys[np.broadcast_to(nonempty, keys.shape)]
 
 
@@ -586,7 +610,7 @@ def block_table(rule: Rule, ctx: Context, block_size: int,
     Work and memory are proportional to the candidate blocks: the rule's own candidate list, or
     every block (in chunks) for rules that touch most blocks anyway. With ``offset`` (0 <= offset <
     block_size) the blocks are those of a grid that starts ``offset`` tokens before position 0, with
-    ``n_kb = ceil((n_k + offset) / block_size)`` (see :meth:`Blocks.at`).
+    ``n_kb = ceil((n_k + offset) / block_size)`` (see :meth:`BlockRanges.at`).
 
     >>> import sparse_attn as sa
     >>> ctx = Context(n_q=16, n_k=16, head=0)
@@ -619,7 +643,7 @@ def _offset_keys(keys: np.ndarray, ctx: Context, block_size: int, offset: int) -
 
 def _classify_keys(rule, ctx, block_size, keys, offset=0):
     n_kb = ceil_div(ctx.n_k + offset, block_size)
-    nonempty, full, sig = rule.classify(Blocks.at(ctx, keys // n_kb, keys % n_kb, block_size, offset))
+    nonempty, full, sig = rule.classify(BlockRanges.at(ctx, keys // n_kb, keys % n_kb, block_size, offset))
     nonempty, full = np.broadcast_to(nonempty, keys.shape), np.broadcast_to(full, keys.shape)
     return keys[nonempty], full[nonempty], _as_columns(sig, keys.shape[0])[nonempty]
 

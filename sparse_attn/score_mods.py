@@ -69,7 +69,8 @@ def check_mods(q: torch.Tensor, softcap=None, alibi_slopes=None, sinks=None) -> 
     >>> check_mods(q, softcap=0)
     Traceback (most recent call last):
     ...
-    ValueError: softcap must be a finite float > 0 (scores become softcap * tanh(score / softcap)), got 0; pass softcap=None for no capping
+    ValueError: softcap must be a finite float > 0 (scores become softcap * tanh(score / softcap)), got 0;
+    pass softcap=None for no capping
 
     Values are checked except on meta tensors and while torch.compile traces (reading them would break the
     graph): non-finite slopes are an error (read once per slopes tensor, and again after an in-place change:
@@ -86,7 +87,7 @@ def _check_softcap(softcap) -> float:
         return 0.0
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a float > 0 or None, got {softcap!r} ({type(softcap).__name__})")
-    if not 0 < softcap < math.inf:
+    if not 0 < softcap < math.inf:  # type: ignore[operator]  # typeshed's numbers.Real has no <; a Real has
         raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(score / softcap)), got "
                          f"{softcap!r}; pass softcap=None for no capping")
     return float(softcap)

@@ -5,7 +5,7 @@
 >>> plan = ShardPlan.build(layout, shard_sizes=(128, 128, 256), kv_heads=1)
 >>> plan.kv_rows.tolist()               # [r, p]: key (and value) vectors rank r receives from rank p
 [[0, 16, 0], [17, 0, 16], [1, 16, 0]]
->>> plan.lse_rows.tolist()              # rows of each rank whose partial results are combined by log-sum-exp
+>>> plan.shipped_rows.tolist()          # rows of each rank whose partial results are combined by log-sum-exp
 [64, 0, 0]
 
 The sequence of n tokens is split into contiguous shards, one per rank in rank order; rank r holds the
@@ -38,8 +38,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .blocks import ceil_div
 from .assembly import assemble_layout, distinct_tiles, unique_rows
+from .blocks import ceil_div
 from .layout import BlockLayout
 from .score_mods import alibi_alignment
 
@@ -57,14 +57,14 @@ class RankProgram(NamedTuple):
     - ``own_slots`` (Bk * Hkv * n_rank,): where this rank's own vectors go;
     - ``local_layout``: this rank's rows (``rows_before`` zero rows first, padded to whole blocks) over the
       compact buffer, without the rows it ships;
-    - ``lse_rows`` (n_ship,): this rank's shipped rows (local indices), sent to every rank;
-    - ``lse_recv_counts`` (W,): shipped rows received from each rank, ``lse_slots`` (sum,): their rows in the
-      shipped-query tensor (``lse_layout.n_q`` rows), grouped by source; the partial results go back in
+    - ``shipped_rows`` (n_ship,): this rank's shipped rows (local indices), sent to every rank;
+    - ``shipped_recv_counts`` (W,): shipped rows received from each rank, ``shipped_slots`` (sum,): their rows in the
+      shipped-query tensor (``shipped_layout.n_q`` rows), grouped by source; the partial results go back in
       the same order;
-    - ``lse_layout``: the shipped-query tensor over this rank's own keys in the compact buffer, or None
+    - ``shipped_layout``: the shipped-query tensor over this rank's own keys in the compact buffer, or None
       when no rank ships;
-    - ``local_calls``, ``lse_calls``: with ALiBi (``program(rank, alibi=True)``), the backend calls that replace
-      ``local_layout`` (one per run of consecutive key blocks in the compact buffer) and ``lse_layout`` (one per
+    - ``local_calls``, ``shipped_calls``: with ALiBi (``program(rank, alibi=True)``), the backend calls that replace
+      ``local_layout`` (one per run of consecutive key blocks in the compact buffer) and ``shipped_layout`` (one per
       shipped segment), so that each call's keys and rows sit at consecutive positions (:class:`AlibiCall`);
       empty without.
     """
@@ -77,12 +77,12 @@ class RankProgram(NamedTuple):
     kv_recv_counts: list[int]
     rows_before: int
     local_layout: BlockLayout
-    lse_rows: torch.Tensor
-    lse_recv_counts: list[int]
-    lse_slots: torch.Tensor
-    lse_layout: BlockLayout | None
+    shipped_rows: torch.Tensor
+    shipped_recv_counts: list[int]
+    shipped_slots: torch.Tensor
+    shipped_layout: BlockLayout | None
     local_calls: tuple[AlibiCall, ...] = ()
-    lse_calls: tuple[AlibiCall, ...] = ()
+    shipped_calls: tuple[AlibiCall, ...] = ()
 
 
 class AlibiCall(NamedTuple):
@@ -118,7 +118,8 @@ class ShardPlan:
     Attributes (W = number of ranks):
         kv_rows: (W, W) int64, ``[r, p]`` = key vectors (one head of one example; each comes with its value
             vector) rank r receives from rank p in the forward pass; in the backward their gradients go back.
-        lse_rows: (W,) rows of each rank shipped to every other rank and combined by log-sum-exp.
+        shipped_rows: (W,) rows of each rank shipped to every other rank and combined by log-sum-exp
+            (``lse_rows``, its first name, reads it too).
         work: (W,) token-pair blocks each rank's kernels compute (over all examples and heads).
     """
 
@@ -134,8 +135,13 @@ class ShardPlan:
         self.kv_rows = np.zeros((world, world), dtype=np.int64)
         np.add.at(self.kv_rows, (self._fetch["rank"], self._fetch["owner"]), self._fetch["copies"])
         seg_rows = segments["hi"] - segments["lo"]
-        self.lse_rows = np.bincount(segments["rank"][shipped], seg_rows[shipped], minlength=world).astype(np.int64)
+        self.shipped_rows = np.bincount(segments["rank"][shipped], seg_rows[shipped], minlength=world).astype(np.int64)
         self.work = self._work()
+
+    @property
+    def lse_rows(self) -> np.ndarray:
+        """``shipped_rows`` by its first name (the shipped rows' results are combined by log-sum-exp)."""
+        return self.shipped_rows
 
     # --- building -------------------------------------------------------------------------------
     @classmethod
@@ -234,13 +240,13 @@ class ShardPlan:
         own_slots = ((np.arange(bk * hkv)[:, None] * n_compact) + slot(own)[None, :]).reshape(-1)
         rows_before = s0 - (s0 // step) * step
         local_layout = self._local_layout(rank, compact)
-        lse_layout = self._lse_layout(rank, compact) if self._shipped.any() else None
+        shipped_layout = self._shipped_layout(rank, compact) if self._shipped.any() else None
 
         ship = np.flatnonzero(self._shipped)        # segments are in rank order: grouped by owner, as sent
         none = [np.zeros(0, np.int64)]
-        lse_rows = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + seg["block"][s] * step - s0
+        shipped_rows = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + seg["block"][s] * step - s0
                                    for s in ship if seg["rank"][s] == rank] + none)
-        lse_slots = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + t * step
+        shipped_slots = np.concatenate([np.arange(seg["lo"][s], seg["hi"][s]) + t * step
                                     for t, s in enumerate(ship)] + none)
         return RankProgram(
             n_compact=int(n_compact),
@@ -250,13 +256,14 @@ class ShardPlan:
             kv_recv_slots=torch.from_numpy((recv["example"] * hkv + recv["head"]) * n_compact + slot(recv["token"])),
             kv_recv_counts=np.bincount(recv["owner"], minlength=world).tolist(),
             rows_before=int(rows_before), local_layout=local_layout,
-            lse_rows=torch.from_numpy(lse_rows.astype(np.int64)),
-            lse_recv_counts=np.bincount(seg["rank"][ship], seg["hi"][ship] - seg["lo"][ship],
+            shipped_rows=torch.from_numpy(shipped_rows.astype(np.int64)),
+            shipped_recv_counts=np.bincount(seg["rank"][ship], seg["hi"][ship] - seg["lo"][ship],
                                         minlength=world).astype(np.int64).tolist(),
-            lse_slots=torch.from_numpy(lse_slots.astype(np.int64)),
-            lse_layout=lse_layout,
+            shipped_slots=torch.from_numpy(shipped_slots.astype(np.int64)),
+            shipped_layout=shipped_layout,
             local_calls=self._local_calls(rank, compact, local_layout) if alibi else (),
-            lse_calls=self._lse_calls(rank, compact, lse_layout) if alibi and lse_layout is not None else ())
+            shipped_calls=(self._shipped_calls(rank, compact, shipped_layout)
+                           if alibi and shipped_layout is not None else ()))
 
     def _local_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
         """This rank's block rows (not shipped) over its compact key blocks."""
@@ -271,7 +278,7 @@ class ShardPlan:
         return self._assemble(e.group, seg["block"][mine][e.segment] - first_block, pos[inside], e.full, e.tile,
                               n_rows, self._block_tokens(compact), self.layout.masks.numpy())
 
-    def _lse_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
+    def _shipped_layout(self, rank: int, compact: np.ndarray) -> BlockLayout:
         """Every shipped segment (one block row each, in segment order) over this rank's own keys."""
         seg, idx, step = self._seg, self.layout.index, self.step
         s0, s1 = int(self.starts[rank]), int(self.starts[rank + 1])
@@ -307,13 +314,13 @@ class ShardPlan:
         calls = (self._call(local, 0, rows, first, int(run[0]), compact[run]) for run in runs)
         return tuple(call for call in calls if call is not None)
 
-    def _lse_calls(self, rank: int, compact: np.ndarray, lse_layout: BlockLayout) -> tuple[AlibiCall, ...]:
-        """``lse_layout`` as one call per shipped segment (its block row, at the segment's position) over this
+    def _shipped_calls(self, rank: int, compact: np.ndarray, shipped_layout: BlockLayout) -> tuple[AlibiCall, ...]:
+        """``shipped_layout`` as one call per shipped segment (its block row, at the segment's position) over this
         rank's own key blocks."""
         step = self.step
         own = np.arange(self.starts[rank] // step, (self.starts[rank + 1] - 1) // step + 1)
         first_own = int(np.searchsorted(compact, own[0]))
-        calls = (self._call(lse_layout, t * step, t * step + min(step, self.layout.n_q - int(block) * step),
+        calls = (self._call(shipped_layout, t * step, t * step + min(step, self.layout.n_q - int(block) * step),
                             int(block) * step, first_own, own)
                  for t, block in enumerate(self._seg["block"][self._shipped]))
         return tuple(call for call in calls if call is not None)
@@ -349,7 +356,7 @@ class ShardPlan:
         masks, distinct = distinct_tiles(pool[used][:, :tq, :tk])
         return assemble_layout(self.layout.pattern, n_q=n_rows, n_k=n_k, heads=self.layout.heads,
                                block_size=self.layout.block_size, causal=self.layout.causal,
-                               shape=tuple(self.layout.index.full_ptr.shape[:2]),
+                               shape=(self.layout.index.full_ptr.shape[0], self.layout.index.full_ptr.shape[1]),
                                blocks_per_side=(ceil_div(n_rows, step), ceil_div(n_k, step)), group=group, rows=rows,
                                cols=cols, full=full, part_tile=distinct[part_tile.reshape(-1)], masks=masks)
 
@@ -366,10 +373,10 @@ class ShardPlan:
         rows = self.q_batch * self.layout.heads
         q_row, part_row = rows * head_dim * itemsize, rows * (head_dim + 1) * lse_itemsize
         kv_in, kv_out = self.kv_rows.sum(1) * kv, self.kv_rows.sum(0) * kv
-        ship_out = self.lse_rows * (world - 1) * q_row                       # own rows to every other rank
-        ship_in = (self.lse_rows.sum() - self.lse_rows) * q_row
-        part_out = (self.lse_rows.sum() - self.lse_rows) * part_row          # partials of others' rows
-        part_in = self.lse_rows * (world - 1) * part_row
+        ship_out = self.shipped_rows * (world - 1) * q_row                       # own rows to every other rank
+        ship_in = (self.shipped_rows.sum() - self.shipped_rows) * q_row
+        part_out = (self.shipped_rows.sum() - self.shipped_rows) * part_row          # partials of others' rows
+        part_in = self.shipped_rows * (world - 1) * part_row
         return {"forward_sent": kv_out + ship_out + part_out, "forward_received": kv_in + ship_in + part_in,
                 "backward_sent": kv_in + ship_in + part_in, "backward_received": kv_out + ship_out + part_out}
 
@@ -411,7 +418,7 @@ def _segment_entries(idx, blocks: np.ndarray) -> _Entries:
         starts = ptr[:, blocks].T.reshape(-1)                                    # (segments * groups,)
         counts = ptr[:, blocks + 1].T.reshape(-1) - starts
         pair, at = _ranges(starts, counts)
-        tile = getattr(idx, "part_mask").numpy()[at] if kind == "part" else np.full(len(at), -1)
+        tile = idx.part_mask.numpy()[at] if kind == "part" else np.full(len(at), -1)
         columns.append((pair // len(ptr), pair % len(ptr), getattr(idx, f"{kind}_idx").numpy()[at].astype(np.int64),
                         np.full(len(at), kind == "full"), tile.astype(np.int64)))
     return _Entries(*(np.concatenate(c) for c in zip(*columns)))

@@ -29,7 +29,7 @@ def blocks_and_tiles(rule: Rule, ctx: Context, bs: int, tile_shape: tuple[int, i
     Partial blocks are grouped by signature (plus how they are cut by the sequence ends); one tile per
     group is evaluated at token level, then tiles that turn out all-allowed promote their blocks to full
     and all-empty ones drop them. ``offset``: the grid starts that many tokens before position 0 (a
-    packed document, see :meth:`~sparse_attn.rules.Blocks.at`); ``keep_cut``: cut blocks keep their tile,
+    packed document, see :meth:`~sparse_attn.rules.BlockRanges.at`); ``keep_cut``: cut blocks keep their tile,
     never full, for a caller that merges them with the rest of their block.
     """
     keys, full, sig = block_table(rule, ctx, bs, offset)

@@ -148,7 +148,7 @@ def any_pool(mask: np.ndarray, max_side: int) -> tuple[np.ndarray, int]:
     rows, cols = ceil_div(mask.shape[0], factor), ceil_div(mask.shape[1], factor)
     padded = np.zeros((rows * factor, cols * factor), dtype=bool)
     padded[:mask.shape[0], :mask.shape[1]] = mask
-    return padded.reshape(rows, factor, cols, factor).any(axis=(1, 3)), factor
+    return np.asarray(padded.reshape(rows, factor, cols, factor).any(axis=(1, 3))), factor
 
 
 def ascii_grid(layout: BlockLayout, head: int = 0, batch: int = 0, max_side: int = 64) -> str:
@@ -248,7 +248,8 @@ def plot_bench(results: dict, metric: str = "time"):
     plt = _pyplot()
     from matplotlib.lines import Line2D
 
-    key, label = {"time": ("time_s", "time per call (s)"), "memory": ("memory_mb", "peak memory beyond q, k, v (MB)")}[metric]
+    key, label = {"time": ("time_s", "time per call (s)"),
+                  "memory": ("memory_mb", "peak memory beyond q, k, v (MB)")}[metric]
     labels, names = list(results["patterns"]), list(results["implementations"])
     figure, axes = plt.subplots(1, len(labels), figsize=(5.6 * len(labels), 4.6), squeeze=False, sharey=True)
     markers = "osD^v<>p"

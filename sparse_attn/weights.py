@@ -20,7 +20,7 @@ N x N is ever allocated for a sparse pattern.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,7 +73,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, pattern: Pattern | Block
     key_pos = torch.arange(n_k, device=q.device)
     group = heads // k.shape[1]
     layout = layout.to(q.device)
-    parts = [[[] for _ in range(heads)] for _ in range(batch)]      # per (b, h): (row counts, cols, values)
+    parts: list[list[list[Any]]] = [[[] for _ in range(heads)] for _ in range(batch)]  # (b, h): (counts, cols, values)
     for r0, r1, chunk_rows in layout.query_chunks(n_k, _SCORES_PER_CHUNK):
         mask = layout.row_mask(r0, r1)                              # (Bl, Hl, rows, Nk)
         # the allowed pairs of each stored (example, head) mask, found once and shared by its users

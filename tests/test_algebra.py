@@ -135,7 +135,7 @@ def test_complement_rule_classification_mirrors_the_inner_rule():
     inner = resolve(sa.Local(5) | sa.Global(first=2), ctx)
     rule = resolve(~(sa.Local(5) | sa.Global(first=2)), ctx)
     assert isinstance(rule, ComplementRule) and rule.candidates(ctx, 8) is None
-    from sparse_attn.rules import Blocks as Ranges
+    from sparse_attn.rules import BlockRanges as Ranges
     rows, cols = np.divmod(np.arange(49), 7)
     ranges = Ranges.at(ctx, rows, cols, 8)                 # every 8-token block, the last row and column cut
     (nonempty, full, sig), (c_nonempty, c_full, c_sig) = inner.classify(ranges), rule.classify(ranges)

@@ -101,7 +101,9 @@ def test_auto_picks_numba_on_cpu(monkeypatch):
 def test_building_a_layout_inside_torch_compile_is_a_graph_break_not_an_error():
     q, k, v = tensors()
     padding = padding_from(0, 25)
-    attend = lambda q, k, v, padding: call(q, k, v, sa.Local(4) | sa.Global(first=1), key_padding_mask=padding)
+    def attend(q, k, v, padding):
+        return call(q, k, v, sa.Local(4) | sa.Global(first=1), key_padding_mask=padding)
+
     compiled = torch.compile(attend, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v, padding), attend(q, k, v, padding))
 

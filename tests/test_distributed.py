@@ -458,7 +458,7 @@ def case_plan(case: Case, world: int) -> ShardPlan:
 @pytest.mark.parametrize("name", ["documents-at-shard-boundary", "causal-window-rank-0-alone"])
 def test_a_rank_that_needs_nothing_remote(name, world):
     plan = case_plan(CASES[name], world)
-    assert plan.kv_rows[0].sum() == 0 and plan.lse_rows.sum() == 0
+    assert plan.kv_rows[0].sum() == 0 and plan.shipped_rows.sum() == 0
     assert plan.program(0).kv_recv_counts == [0] * world
 
 
@@ -470,9 +470,9 @@ def test_the_cases_fetch_across_shards_and_ship_global_rows():
     shipping = [("longformer", 2), ("longformer", 4), ("longformer-float32", 4), ("numba", 4), ("global-mask", 2),
                 ("documents", 2), ("unequal-shards", 4), ("one-token-last", 2), ("key-padding", 4),
                 ("per-head-global", 2), ("kv-batch-1-shipped", 4), ("numba-float32-shipped", 4)]
-    assert (case_plan(CASES["two-ranks-ship"], 4).lse_rows > 0).sum() == 2
+    assert (case_plan(CASES["two-ranks-ship"], 4).shipped_rows > 0).sum() == 2
     for name, world in shipping:
-        assert case_plan(CASES[name], world).lse_rows.sum() > 0, (name, world)
+        assert case_plan(CASES[name], world).shipped_rows.sum() > 0, (name, world)
 
 
 # --- ShardPlan alone -------------------------------------------------------------------------------------
@@ -492,7 +492,8 @@ def test_longformer_receives_the_halo_and_the_global_tokensindependent_of_n(worl
             if r > 0:
                 expected[r, 0] += 16                             # the global columns, on rank 0
         np.testing.assert_array_equal(plan.kv_rows, expected * kv_heads)
-        assert plan.lse_rows.tolist() == [64] + [0] * (world - 1)    # block 0, holding the global rows, ships
+        assert plan.shipped_rows.tolist() == [64] + [0] * (world - 1)    # block 0, holding the global rows, ships
+        assert plan.lse_rows is plan.shipped_rows                            # its first name, still public
     np.testing.assert_array_equal(plans[0].kv_rows, plans[1].kv_rows)
     for key, value in plans[0].bytes_per_rank(64, 4).items():
         np.testing.assert_array_equal(value, plans[1].bytes_per_rank(64, 4)[key], err_msg=key)
@@ -529,10 +530,10 @@ def test_what_one_rank_sends_the_other_receives(name):
         assert program.kv_recv_counts == plan.kv_rows[r].tolist()
         assert len(program.kv_recv_slots) == sum(program.kv_recv_counts)
         assert len(program.kv_send_index) == sum(program.kv_send_counts)
-        assert len(program.lse_rows) == plan.lse_rows[r]
+        assert len(program.shipped_rows) == plan.shipped_rows[r]
         for p in range(world):
             assert programs[p].kv_send_counts[r] == program.kv_recv_counts[p], (p, r)
-            assert program.lse_recv_counts[p] == len(programs[p].lse_rows), (p, r)   # shipped rows, p -> r
+            assert program.shipped_recv_counts[p] == len(programs[p].shipped_rows), (p, r)   # shipped rows, p -> r
     traffic = plan.bytes_per_rank(head_dim=32, itemsize=2)
     for phase in ("forward", "backward"):
         assert traffic[f"{phase}_sent"].sum() == traffic[f"{phase}_received"].sum(), phase
@@ -564,7 +565,7 @@ def blocks_computed(pattern: sa.Pattern, plan: ShardPlan, heads: int) -> list[in
               for b in range(n_blocks)]
     work = np.zeros(len(plan.shard_sizes), dtype=np.int64)
     for r, (start, stop) in enumerate(zip(starts[:-1], starts[1:])):
-        shipped = set((start + plan.program(r).lse_rows.numpy()) // BLOCK)
+        shipped = set((start + plan.program(r).shipped_rows.numpy()) // BLOCK)
         for row in range(start // BLOCK, (stop - 1) // BLOCK + 1):
             if row not in shipped:
                 work[r] += blocks[:, row].sum()
@@ -598,7 +599,7 @@ def test_a_sequence_of_one_block_splits_over_more_ranks_than_blocks(pattern, sha
     starts = np.cumsum([0, *shards])
     expected = [[0 if r == p else int(mask[:, starts[r]:starts[r + 1], starts[p]:starts[p + 1]].any(1).sum())
                  for p in range(len(shards))] for r in range(len(shards))]
-    assert plan.kv_rows.tolist() == expected and plan.lse_rows.sum() == 0
+    assert plan.kv_rows.tolist() == expected and plan.shipped_rows.sum() == 0
     for r in range(len(shards)):
         assert plan.program(r).kv_recv_counts == expected[r]
 
@@ -635,7 +636,7 @@ CHANGED_FIELDS = {
 
 def test_every_pattern_kind_and_field_is_in_the_digest_test():
     assert set(CHANGED_FIELDS) == every_pattern_kind(), "add the new kind to CHANGED_FIELDS"
-    for cls, (pattern, changes) in CHANGED_FIELDS.items():
+    for cls, (_, changes) in CHANGED_FIELDS.items():
         assert set(changes) == {field.name for field in dataclasses.fields(cls)}, cls.__name__
 
 

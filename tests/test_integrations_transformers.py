@@ -18,9 +18,21 @@ from sparse_attn import backends
 
 transformers = pytest.importorskip("transformers", minversion="4.54",
                                    reason='needs transformers >= 4.54: pip install ".[hf]"')
-from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification,  # noqa: E402
-                          BartConfig, BertConfig, BigBirdConfig, DataCollatorWithFlattening,
-                          LlamaConfig, LongformerConfig, MistralConfig, RobertaConfig, T5Config, T5EncoderModel)
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BartConfig,
+    BertConfig,
+    BigBirdConfig,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    LongformerConfig,
+    MistralConfig,
+    RobertaConfig,
+    T5Config,
+    T5EncoderModel,
+)
 
 from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache, register, to_long_model  # noqa: E402
 from tests.test_docs import ROOT, python_blocks  # noqa: E402

@@ -22,7 +22,7 @@ def test_the_fields_are_declared_with_their_types():
     assert hints["index"] is KernelIndex
     assert {name: hints[name] for name in ("n_q", "n_k", "heads", "block_size")} == dict.fromkeys(
         ("n_q", "n_k", "heads", "block_size"), int)
-    assert hints["causal"] is bool and hints["call_data"] == typing.Optional[CallData]
+    assert hints["causal"] is bool and hints["call_data"] == (CallData | None)
 
 
 def test_the_tensors_live_in_the_index_and_the_old_names_read_it():

@@ -119,7 +119,7 @@ def test_bad_arguments_are_named():
 
 def test_every_pattern_runs_with_the_recipe_s_heads():
     recipe = listops.RECIPES["cpu"]
-    for name, (pattern, _, _) in listops.PATTERNS.items():
+    for pattern, _, _ in listops.PATTERNS.values():
         pattern.check_heads(recipe.heads)
 
 

@@ -27,7 +27,7 @@ def test_nvidia_driver_reads_the_first_gpus_and_is_none_without_nvidia_smi(monke
     assert machine.nvidia_driver() == "550.54.15"
     for failure in (FileNotFoundError("nvidia-smi"), subprocess.CalledProcessError(9, "nvidia-smi"),
                     subprocess.TimeoutExpired("nvidia-smi", 60)):
-        def broken(command, **options):
+        def broken(command, failure=failure, **options):
             raise failure
         monkeypatch.setattr(subprocess, "run", broken)
         assert machine.nvidia_driver() is None

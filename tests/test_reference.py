@@ -9,7 +9,10 @@ from sparse_attn.backends import reference
 
 def qkv(batch=2, q_heads=4, kv_heads=2, n_q=50, n_k=50, dim=16, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    make = lambda h, n: torch.randn(batch, h, n, dim, generator=gen, dtype=dtype).requires_grad_()
+
+    def make(h, n):
+        return torch.randn(batch, h, n, dim, generator=gen, dtype=dtype).requires_grad_()
+
     return make(q_heads, n_q), make(kv_heads, n_k), make(kv_heads, n_k)
 
 

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 import sparse_attn as sa
-from sparse_attn.rules import (RESOLVERS, Context, IntersectionRule, StrideRule, TokenRule, UnionRule, WindowRule,
-                               resolve)
+from sparse_attn.rules import (
+    RESOLVERS,
+    Context,
+    IntersectionRule,
+    StrideRule,
+    TokenRule,
+    UnionRule,
+    WindowRule,
+    resolve,
+)
 
 PACKAGE = pathlib.Path(sa.__file__).parent
 SPEC_CLASSES = [getattr(sa, name) for name in sa.__all__

@@ -191,7 +191,7 @@ def test_the_cases_reach_every_kind_of_key_run():
                                itemsize=8)
         return [plan.program(r, alibi=True) for r in range(WORLD)]
     shipped = calls("global rows ship, all three")
-    assert any(p.lse_calls for p in shipped)
+    assert any(p.shipped_calls for p in shipped)
     before = calls("sink run before the rows")[2].local_calls              # the sink block, then the window
     assert len(before) == 2 and before[0].pad_keys > 0 and before[0].shift > 0
     after = calls("a global column after the rows")[0].local_calls

@@ -90,7 +90,7 @@ def test_plot_attention_short_and_long(n, tmp_path):
     assert all(_inside(figure, artist) for artist in (figure.axes[0].xaxis.label, figure.axes[0].yaxis.label,
                                                       figure.axes[0].title, colorbar.yaxis.label))
     figure.savefig(tmp_path / "attention.png")
-    with pytest.raises(ValueError, match=r"tokens must have one label per key \(%d\), got 1" % n):
+    with pytest.raises(ValueError, match=rf"tokens must have one label per key \({n}\), got 1"):
         viz.plot_attention(weights, tokens=["x"])
     with pytest.raises(TypeError, match="weights must be a scipy sparse matrix .*, got Tensor"):
         viz.plot_attention(torch.zeros(n, n))

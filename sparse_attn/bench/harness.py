@@ -68,8 +68,8 @@ def run_json(command: list[str], limit_s: float | None = None, *, memory_gib: fl
         resource.setrlimit(resource.RLIMIT_AS, (size, size))
 
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=limit_s, env={**os.environ, **(env or {})},
-                              preexec_fn=limit_memory if memory_gib else None)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=limit_s,
+                              env={**os.environ, **(env or {})}, preexec_fn=limit_memory if memory_gib else None)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"did not finish within the {limit_s:g} s limit"}
     printed = proc.stdout.strip().splitlines()
@@ -162,7 +162,8 @@ def measure(point: dict) -> dict:
         return [torch.randn(shape, device=device, requires_grad=backward) for _ in range(3)]
 
     # load libraries and JIT code with a short run first, so they stay out of the measurement
-    call(setup(name, pattern, *inputs(min(n, 1024)), point["block_size"]))
+    warm_q, warm_k, warm_v = inputs(min(n, 1024))
+    call(setup(name, pattern, warm_q, warm_k, warm_v, point["block_size"]))
     q, k, v = inputs(n)
     before = (torch.cuda.memory_allocated() if cuda else machine.status_bytes("VmRSS")) / 2**20
     reset_peak = torch.cuda.reset_peak_memory_stats if cuda else machine.reset_peak_rss

@@ -51,7 +51,8 @@ def markdown(results: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
              + (f", GPU {info['gpu']}" if "gpu" in info else "") + f" (load average {load[0]:.1f} at the end).", "",
              f"B={config['batch']}, H={config['heads']}, D={config['head_dim']}, {config['dtype']} on "
-             f"{config['device']}, block {config['block_size']}, {'forward + backward' if config['backward'] else 'forward'}; "
+             f"{config['device']}, block {config['block_size']}, "
+             f"{'forward + backward' if config['backward'] else 'forward'}; "
              f"time = median of up to {config['repeats']} calls after a warm-up call; memory = peak resident memory "
              f"during the calls minus the resident memory before setting the implementation up (beyond q, k, v; "
              f"its mask or layout, output and working memory included). Each point ran in a fresh process.", ""]
@@ -69,7 +70,8 @@ def tables(results: dict) -> str:
         points = [p for p in results["points"] if p["pattern_label"] == label]
         lengths = sorted({p["n"] for p in points})
         lines += [f"## {label}: `{expression.replace('|', chr(92) + '|')}`", "",
-                  "| implementation | " + " | ".join(f"{n:,}" for n in lengths) + " | memory grows as | time grows as |",
+                  "| implementation | " + " | ".join(f"{n:,}" for n in lengths)
+                  + " | memory grows as | time grows as |",
                   "|---|" + "---:|" * (len(lengths) + 2)]
         notes: dict[str, int] = {}  # reason -> its number under this table
         for name in results["implementations"]:

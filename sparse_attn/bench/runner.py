@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import machine
 from ..pattern import Pattern
@@ -32,6 +33,7 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
     """
     if unavailable is None:
         unavailable = unavailable_reasons(patterns, implementations, device, backward)
+    results: dict[str, Any]
     results = {"command": command, "machine": machine.describe(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "load_average_start": machine.load_average(),
                "config": {"batch": batch, "heads": heads, "head_dim": head_dim, "block_size": block_size,

@@ -43,7 +43,7 @@ _NOT_COMPUTED = {"position_bias": "adds a position bias tensor to the attention 
                  "block_indices": "attends only the key blocks its indexer selects"}     # MiniMax M3
 
 
-def register(pattern: Pattern | list[Pattern] | None = None, *, name: str = "sparse_attn",
+def register(pattern: Pattern | list[Pattern] | tuple[Pattern, ...] | None = None, *, name: str = "sparse_attn",
              backend: str = "auto") -> str:
     """Make ``attn_implementation=name`` run sparse_attn with ``pattern``; returns ``name``.
 
@@ -88,6 +88,7 @@ def _attention_function(name: str):
                           f"materialises attention weights, so none are returned (as with 'sdpa'); build the model "
                           f"with attn_implementation='eager' to get them", stacklevel=2)
         registered = registration(name)
+        assert registered is not None, name  # register() recorded the name before making this function
         layer_idx = getattr(module, "layer_idx", None)
         pattern = model_pattern(getattr(module, "config", None), registered.pattern, layer_idx)
         causal = kwargs.get("is_causal")
@@ -159,7 +160,7 @@ def to_long_model(model: PreTrainedModel, max_positions: int, pattern: Pattern |
     """
     embeddings = getattr(getattr(model, "base_model", model), "embeddings", None)
     table = getattr(embeddings, "position_embeddings", None)
-    if not isinstance(table, nn.Embedding):
+    if embeddings is None or not isinstance(table, nn.Embedding):
         raise ValueError(f"to_long_model needs a BERT/RoBERTa-style model with absolute position embeddings "
                          f"(model.base_model.embeddings.position_embeddings), got {type(model).__name__}; models "
                          f"with rotary or relative positions need no conversion: use attn_implementation={name!r}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import transformers
 from transformers import PreTrainedModel
@@ -46,6 +46,6 @@ def wrap_attn_implementation_check(request: Callable, check: Callable) -> bool:
         check(model, chosen)
         return chosen
 
-    check_and_adjust.checks_sparse_attn = True
+    check_and_adjust.checks_sparse_attn = True  # type: ignore[attr-defined]  # a mark on a function object
     setattr(PreTrainedModel, HOOK, check_and_adjust)
     return True

@@ -96,7 +96,7 @@ class SparseCacheLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new keys/values (B, Hkv, n_new, D); return the held ones, their positions attached.
         Keys that cannot continue the cache raise before anything changes (the layer stays uninitialised)."""
-        kv = self.kv if self.is_initialized else self._new_kv()
+        kv = self.kv if self.kv is not None else self._new_kv()
         keys, values, positions = kv.update(key_states, value_states)                      # (B, Hkv, Nk, D), (Nk,)
         if not self.is_initialized:
             self._initialize(key_states, kv)
@@ -105,7 +105,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Tokens seen so far (the next token's position), not the number held."""
-        return self.kv.seq_len if self.is_initialized else 0
+        return self.kv.seq_len if self.kv is not None else 0
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The padding mask covers every position from 0: the attention picks the held keys' columns."""
@@ -117,7 +117,7 @@ class SparseCacheLayer(CacheLayerMixin):
     @property
     def nbytes(self) -> int:
         """Bytes of the keys and values held."""
-        return self.kv.nbytes if self.is_initialized else 0
+        return self.kv.nbytes if self.kv is not None else 0
 
     def reset(self) -> None:
         self.kv, self.is_initialized = None, False
@@ -160,10 +160,10 @@ class SparseCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of the keys and values held by all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.layers)  # type: ignore[union-attr]  # SparseCacheLayers (__init__)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.reorder_cache(None)
+        self.reorder_cache(None)  # type: ignore[arg-type]  # every layer refuses any reordering
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(None)
+        self.reorder_cache(None)  # type: ignore[arg-type]  # every layer refuses any reordering

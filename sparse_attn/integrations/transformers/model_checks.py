@@ -34,7 +34,9 @@ def check_built_model(model: PreTrainedModel, attn_implementation) -> None:
 def warn_if_default_pattern(config, name: str) -> None:
     """Warn that ``name`` runs ``DEFAULT_PATTERN`` in this model if neither ``register`` nor the config chose one
     and the model has no sliding windows of its own."""
-    chosen = registration(name).pattern is not None or getattr(config, "sparse_attn_pattern", None) is not None
+    registered = registration(name)
+    assert registered is not None, name  # the build hook checks registered names only
+    chosen = registered.pattern is not None or getattr(config, "sparse_attn_pattern", None) is not None
     if not chosen and own_patterns(config) is None:
         warnings.warn(f"attn_implementation={name!r} runs this {getattr(config, 'model_type', '')} model with "
                       f"sparse_attn's default pattern {DEFAULT_PATTERN!r} (256 tokens each side and a global first "
@@ -48,7 +50,7 @@ def check_model(model: PreTrainedModel, name: str = "sparse_attn") -> None:
     """Raise a ValueError if ``attn_implementation=name`` would not run sparse_attn correctly in ``model`` (see the
     module's example): models whose layers compute attention themselves, and models with cross-attention."""
     model_class, config = type(model), model.config
-    own_attention = _own_attention_class(model_class)
+    own_attention = _own_attention_class(model_class)  # type: ignore[arg-type]  # a class is hashable
     if own_attention is not None or getattr(config, "attention_type", None) == "block_sparse":
         layer = own_attention or "its block_sparse attention"
         raise ValueError(f"{model_class.__name__} computes attention in its own layers ({layer}) instead of calling "
@@ -66,7 +68,7 @@ def check_model(model: PreTrainedModel, name: str = "sparse_attn") -> None:
                          f"model, or attn_implementation='sdpa' here")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_attention_class(model_class: type) -> str | None:
     """The name of an attention layer in ``model_class``'s modeling code if that code never calls the
     AttentionInterface (transformers' own heuristic for ``set_attn_implementation``), else None."""
