@@ -32,6 +32,7 @@ Imports run one way: this module imports ``api``, ``layout``, ``pattern``, ``ret
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +76,10 @@ class SparseKVCache:
         self._fixed = np.asarray(self.retention.fixed if self.retention.bounded else (), dtype=np.int64)  # their slots
         self._starts: np.ndarray | None = None          # (B,) each example's first token (left padding), None: 0
         self._probe: BlockLayout | None = None          # a one-pair layout to ask the backend before any change
-        self._keys = self._values = None                # (B, Hkv, slots, D): fixed slots, then the ring
+        # (B, Hkv, slots, D): fixed slots, then the ring. None until the first update: the methods that may run
+        # before one check for None, the others (appending, writing, compacting) run after one
+        self._keys: torch.Tensor = None  # type: ignore[assignment]
+        self._values: torch.Tensor = None  # type: ignore[assignment]
         self._slot_positions = np.zeros(0, dtype=np.int64)  # (slots,) position held in each slot, -1 free
         self._ring_head = self._ring_count = 0          # the oldest ring entry (index into the ring), entries
         self._seen = 0
@@ -326,7 +330,7 @@ class SparseKVCache:
         or ``(out, lse)`` with ``return_lse=True``. ``softcap``, ``alibi_slopes``, ``sinks`` as in
         ``sparse_attention`` (ALiBi at the tokens' positions, whatever was evicted between them). Every
         argument is checked first: a call that raises leaves the cache as it was."""
-        mods = {"softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
+        mods: dict[str, Any] = {"softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
         self._check_kv(k, v)
         self._check_queries(q, k, v, scale, return_lse, mods)
         keys, values, positions = self._append(k, v)
@@ -369,10 +373,10 @@ class SparseKVCache:
         if n_q != len(self._new):
             raise ValueError(f"q has {n_q} queries but the last update appended {len(self._new)} tokens; call "
                              f"attention right after the update that appended them")
-        positions = positions.numpy()
+        held_positions = positions.numpy()
         if n_held == self._seen:                        # the whole past: the pattern's own layout, keys in order
-            if (positions != np.arange(n_held)).any():  # fixed slots first: sort (a copy, once per prefill)
-                order = np.argsort(positions)
+            if (held_positions != np.arange(n_held)).any():  # fixed slots first: sort (a copy, once per prefill)
+                order = np.argsort(held_positions)
                 index = torch.from_numpy(order).to(keys.device)
                 keys, values = keys.index_select(2, index), values.index_select(2, index)
                 key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, order]
@@ -382,21 +386,21 @@ class SparseKVCache:
                                          alibi_slopes=mods.alibi_slopes, sinks=sinks)
         backend = backends.choose(self.backend, q.device)
         if backend == "numba" and n_q <= _DENSE_ROWS:
-            return self._attend_dense(q, keys, values, positions, scale, return_lse, key_padding_mask, mods, sinks)
+            return self._attend_dense(q, keys, values, held_positions, scale, return_lse, key_padding_mask, mods, sinks)
         block_size = backends.load(backend).BLOCK_SIZE
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
         parts = []
         for start in range(0, n_q, step):
             rows = slice(start, min(start + step, n_q))
-            mask = allowed_at_positions(self.pattern, context, self._new[rows], positions, q.shape[1],
+            mask = allowed_at_positions(self.pattern, context, self._new[rows], held_positions, q.shape[1],
                                         key_padding_mask=key_padding_mask, starts=self._starts)
             if mods.alibi_slopes is None:
                 layout = self._layout_of(mask, q.shape[1], block_size)
                 parts.append(sparse_attention(q[:, :, rows], keys, values, layout, scale=scale, softcap=softcap,
                                               backend=self.backend, return_lse=True))
             else:
-                parts.append(self._attend_runs(q[:, :, rows], self._new[rows], keys, values, positions, mask,
+                parts.append(self._attend_runs(q[:, :, rows], self._new[rows], keys, values, held_positions, mask,
                                                block_size, scale=scale, softcap=softcap,
                                                alibi_slopes=mods.alibi_slopes))
         out, lse = (torch.cat(column, dim=2) for column in zip(*parts))
@@ -409,8 +413,8 @@ class SparseKVCache:
         """The new queries over the held keys in one dense call (:func:`~sparse_attn.held_attention.dense_attention`):
         a decode step reads each held key once. The allowed keys by runs of held positions (no mask at all where
         every held key is allowed, as in a decode step of ``Local(w - 1, 0) | Sink(...)``)."""
-        mask = self._held_mask(q.shape[1], positions)                                # (Bl, Hl, n_q, n_held) or None
-        mask = None if mask is None else torch.from_numpy(mask).to(q.device)
+        held = self._held_mask(q.shape[1], positions)                                # (Bl, Hl, n_q, n_held) or None
+        mask = None if held is None else torch.from_numpy(held).to(q.device)
         if key_padding_mask is not None:
             check_token_mask("key_padding_mask", key_padding_mask, None, len(positions))
             real = ~torch.as_tensor(key_padding_mask, device=q.device)[:, None, None, :]   # (B, 1, 1, n_held)
@@ -596,7 +600,9 @@ def left_padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pat
                 alibi_slopes=part_slopes, **options)
             out = torch.cat([out[:, :, :first], part_out], dim=2)
             lse = torch.cat([lse[:, :, :first], part_lse], dim=2)
-        order.append(rows), outs.append(out), lses.append(lse)
+        order.append(rows)
+        outs.append(out)
+        lses.append(lse)
     inverse = torch.from_numpy(np.argsort(np.concatenate(order))).to(q.device)
     out, lse = torch.cat(outs).index_select(0, inverse), torch.cat(lses).index_select(0, inverse)
     if sinks is not None:

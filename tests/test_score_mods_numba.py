@@ -85,7 +85,7 @@ def assert_rule(got, base, want, floors=None):
     (``base``: the reference backend in the same dtype) plus a floor; -inf lse where the oracle has it."""
     assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
     finite = torch.isfinite(want[1])
-    for i, (name, x, y, z) in enumerate(zip(NAMES, got, base, want)):
+    for name, x, y, z in zip(NAMES, got, base, want):
         if name == "lse":
             x, y, z = x[finite], y[finite], z[finite]
         assert_within_rule(name, x, z, y, (floors or {}).get(name, FLOORS[torch.float32]))
@@ -159,8 +159,8 @@ def test_large_logits_within_the_rule(pattern, n, softcap):
     mods = {"softcap": softcap, "alibi_slopes": torch.tensor([2.0, 0.01], dtype=torch.float64)}
     layout = pattern.layout(n, heads=2)
     want = outputs(lambda q, k, v, **m: oracle(q, k, v, pattern.mask(n), 1 / 8, **m), *inputs, mods)
-    got, base = (outputs(lambda q, k, v, **m: sa.sparse_attention(q, k, v, layout, backend=backend, return_lse=True,
-                                                                  **m), *leaves(inputs, torch.float32),
+    got, base = (outputs(lambda q, k, v, backend=backend, **m: sa.sparse_attention(q, k, v, layout, backend=backend,
+                                                                                   return_lse=True, **m), *leaves(inputs, torch.float32),
                          cast(mods, torch.float32)) for backend in ("numba", "reference"))
     assert_rule(got, base, want)
 

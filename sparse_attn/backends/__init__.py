@@ -124,9 +124,9 @@ def load(name: str) -> ModuleType:
         if name == "numba":
             from .numba import backend as module
         elif name == "triton":
-            from . import triton_gpu as module
+            from . import triton_gpu as module  # type: ignore[no-redef]  # one module API, three modules
         else:
-            from . import reference as module
+            from . import reference as module  # type: ignore[no-redef]
     except ModuleNotFoundError as error:
         raise RuntimeError(f"backend {name!r} needs the package {error.name!r}, which is not installed: "
                            f"pip install {error.name}") from error

@@ -618,7 +618,7 @@ def _launch_rule(head_dim: int, dtype: torch.dtype, backward: bool) -> tuple[int
     return 8 if wide else 4, 2 if backward else 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _shared_memory(device: torch.device) -> int:
     """Shared memory a block may use on ``device`` (bytes); unlimited for the interpreter."""
     if device.type != "cuda" or _INTERPRETED:
@@ -699,7 +699,7 @@ def _plan(ptrs: tuple[torch.Tensor, torch.Tensor], batch: int, heads: int, group
     return plans[key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _programs(device: torch.device) -> int:
     """Programs that keep ``device`` busy: 8 a multiprocessor (the interpreter: a small GPU's worth)."""
     if device.type != "cuda" or _INTERPRETED:
@@ -834,8 +834,8 @@ def _(dout, q, k, v, out, lse, dlse, index, block, scale, softcap, alibi_slopes)
 def _with_tile_bytes(index: list[torch.Tensor], block: int) -> list[torch.Tensor]:
     """``index`` (the ``KernelIndex`` fields) with its bool tiles as the (n_masks, BLOCK, BLOCK) bytes the kernels
     load. Done inside the ops: Inductor cannot lower a bool -> uint8 view (torch.iinfo(torch.bool))."""
-    index = KernelIndex(*index)
-    return list(index._replace(masks=_block_tiles(index.masks, block).view(torch.uint8)))
+    idx = KernelIndex(*index)
+    return list(idx._replace(masks=_block_tiles(idx.masks, block).view(torch.uint8)))
 
 
 def _setup_context(ctx, inputs, output):

@@ -94,9 +94,9 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
     argmax = torch.empty(q.shape[:3], dtype=torch.int64)                         # (B, Hq, Nq)
-    index = KernelIndex(*index)
-    order = heaviest_first(task_costs(index.full_ptr, index.part_ptr, q.shape[0], q.shape[1]))
-    rows = _row_index(index)
+    idx = KernelIndex(*index)
+    order = heaviest_first(task_costs(idx.full_ptr, idx.part_ptr, q.shape[0], q.shape[1]))
+    rows = _row_index(idx)
     result = ForwardResult(out.numpy(), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
     with KERNELS.running():
         forward_kernel((_array(q), _array(k), _array(v)), ops, rows,
@@ -124,13 +124,13 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls); index, softcap and
     alibi_slopes the forward's (the slopes get no gradient)."""
     dtype = _computed_in(q)
-    index = KernelIndex(*index)
+    idx = KernelIndex(*index)
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
     ops = None if dtype == q.dtype else backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
                                                          panel_capacity(block_size, n_q))
-    costs = task_costs(index.full_t_ptr, index.part_t_ptr, batch, heads, k.shape[:2])
+    costs = task_costs(idx.full_t_ptr, idx.part_t_ptr, batch, heads, (k.shape[0], k.shape[1]))
     schedule = static_schedule(heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
@@ -139,20 +139,21 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
     qkv = (_array(q), _array(k), _array(v))
-    result = ForwardResult(out.numpy(), lse.numpy(), *stats.contiguous().numpy(), argmax.contiguous().numpy())
+    row_max, row_sum = stats.contiguous().numpy()
+    result = ForwardResult(out.numpy(), lse.numpy(), row_max, row_sum, argmax.contiguous().numpy())
     incoming = Incoming(dout.numpy(), dlse.numpy(), delta.numpy())
-    columns = block_index(index.full_t_ptr, index.full_t_idx, index.part_t_ptr, index.part_t_idx, index.part_t_mask,
-                          index.masks, transposed=True)
+    columns = block_index(idx.full_t_ptr, idx.full_t_idx, idx.part_t_ptr, idx.part_t_idx, idx.part_t_mask,
+                          idx.masks, transposed=True)
     config = _config(dtype, block_size, scale, softcap, alibi_slopes, n_q, k.shape[2])
     with KERNELS.running():
         delta_rows(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
                    dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
-        maxima = maxima_by_key_block(result.argmax, block_size, index.full_t_ptr.shape[2] - 1)
+        maxima = maxima_by_key_block(result.argmax, block_size, idx.full_t_ptr.shape[2] - 1)
         backward_kernel(qkv, ops, result, incoming, maxima, columns, config, schedule,
                         Gradients(dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy()))
         sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy(), not_finite)
         if not_finite.any():
-            exact_dq_rows(np.flatnonzero(not_finite), qkv, result, incoming, _row_index(index), config, dq.numpy())
+            exact_dq_rows(np.flatnonzero(not_finite), qkv, result, incoming, _row_index(idx), config, dq.numpy())
     return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
 
 

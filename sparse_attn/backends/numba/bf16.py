@@ -53,7 +53,9 @@ def _addresses() -> dict[str, int] | None:
     """The addresses of torch's bf16 brgemm and brgemm_release, or None where this torch does not export them."""
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (_BRGEMM, _BRGEMM_RELEASE)}
+        # a symbol getattr found has a non-null address
+        return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # type: ignore[misc]
+                for name in (_BRGEMM, _BRGEMM_RELEASE)}
     except (OSError, AttributeError):                    # another platform's library name, or no such symbol
         return None
 

@@ -55,7 +55,7 @@ def _tile_spans(masks: torch.Tensor, axis: int) -> np.ndarray:
     """(n_masks, 2) int64: the [first, last + 1) query rows (axis 0) or key columns (axis 1) of each
     tile with at least one allowed pair; a block alone in its run is computed only on that span
     (the global column's tile of a Longformer band row has 16 of 64 keys)."""
-    active = masks.numpy().any(axis=2 - axis)                                   # (n_masks, tq or tk)
+    active = np.asarray(masks.numpy().any(axis=2 - axis))                       # (n_masks, tq or tk)
     first = np.where(active.any(1), active.argmax(1), 0)
     last = np.where(active.any(1), active.shape[1] - active[:, ::-1].argmax(1), 0)
     return np.stack([first, last], 1).astype(np.int64)

@@ -106,7 +106,7 @@ _F32_MIN_EXP, _F32_MAX_EXP = np.float32(-126.0), np.float32(127.0)
 _HALF_F32, _ZERO_F32, _INF_F32 = np.float32(0.5), np.float32(0.0), np.float32(np.inf)
 
 
-@overload(exp2, fastmath=FASTMATH)
+@overload(exp2, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _exp2_impl(x):
     if x == types.float32:
         def exp2_f32(x):
@@ -135,7 +135,7 @@ def tanh(x):
     relative, exactly +-1 for large |x|, NaN for NaN. float64: libm's."""
 
 
-@overload(tanh, fastmath=FASTMATH)
+@overload(tanh, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _tanh_impl(x):
     if x == types.float32:
         def tanh_f32(x):

@@ -129,7 +129,7 @@ def modify(head, s, key0):
     (at key position head.first + r) against key key0 + c. No-op for head None."""
 
 
-@overload(modify, fastmath=FASTMATH)
+@overload(modify, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _modify(head, s, key0):
     if isinstance(head, types.NoneType):
         return lambda head, s, key0: None
@@ -148,7 +148,7 @@ def modify_t(head, st, key0, query0, dcap):
     head's query array; with softcap, dcap (cols, n) gets the softcap's derivative 1 - tanh^2 there."""
 
 
-@overload(modify_t, fastmath=FASTMATH)
+@overload(modify_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _modify_t(head, st, key0, query0, dcap):
     if isinstance(head, types.NoneType):
         return lambda head, st, key0, query0, dcap: None
@@ -167,7 +167,7 @@ def modified(head, x, distance):
     ``distance``: the panels' formula, in x's dtype."""
 
 
-@overload(modified, fastmath=FASTMATH)
+@overload(modified, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _modified(head, x, distance):
     if isinstance(head, types.NoneType):
         return lambda head, x, distance: x
@@ -189,7 +189,7 @@ def _modified_t(softcap, slope, x, distance, dcap, r, c):
     """modified(), writing dcap[r, c] = 1 - tanh^2 with softcap."""
 
 
-@overload(_modified_t, fastmath=FASTMATH)
+@overload(_modified_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _modified_t_impl(softcap, slope, x, distance, dcap, r, c):
     if isinstance(softcap, types.NoneType):
         return lambda softcap, slope, x, distance, dcap, r, c: _alibi(slope, x, distance)
@@ -205,7 +205,7 @@ def _capped(softcap, x):
     """c log2(e) tanh(x ln 2 / c), or x without softcap."""
 
 
-@overload(_capped, fastmath=FASTMATH)
+@overload(_capped, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _capped_impl(softcap, x):
     if isinstance(softcap, types.NoneType):
         return lambda softcap, x: x
@@ -216,7 +216,7 @@ def _alibi(slope, x, distance):
     """x - slope |distance|, or x without ALiBi."""
 
 
-@overload(_alibi, fastmath=FASTMATH)
+@overload(_alibi, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _alibi_impl(slope, x, distance):
     if isinstance(slope, types.NoneType):
         return lambda slope, x, distance: x
@@ -228,7 +228,7 @@ def chain_softcap(head, ds, dcap):
     dcap; a zero stays zero (masked pairs, whatever dcap holds there). No-op without softcap."""
 
 
-@overload(chain_softcap, fastmath=FASTMATH)
+@overload(chain_softcap, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _chain_softcap(head, ds, dcap):
     if not _has_softcap(head):
         return lambda head, ds, dcap: None
