@@ -21,7 +21,7 @@ from .lowlevel import FASTMATH, exp2
 from .mods import chain_softcap, head_modifiers, modify_t
 from .near_max import exact_near_max_t
 from .panels import (
-    finite,
+    all_finite,
     has_blocks,
     mask_panel,
     next_panel,
@@ -93,10 +93,10 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
                                maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
                                segment(columns, b, h, c), columns, config, scratch, dq[b, h],
                                head_backward(ops, w, b, e, h, g, keys), head_modifiers(config, b, h, 0))
-        if finite(key_block.dk) and finite(key_block.dv):
+        if all_finite(key_block.dk) and all_finite(key_block.dv):
             continue
         for j in range(j0, j0 + key_block.k.shape[0]):
-            if not (finite(grads.dk[e, g, j:j + 1]) and finite(grads.dv[e, g, j:j + 1])):
+            if not (all_finite(grads.dk[e, g, j:j + 1]) and all_finite(grads.dv[e, g, j:j + 1])):
                 grads.dk[e, g, j], grads.dv[e, g, j] = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
     release_tiles(ops)
 
@@ -246,7 +246,7 @@ def sum_parts(dq, dq_parts, not_finite):
         for p in range(dq_parts.shape[0]):
             for d in range(dim):
                 dq[i, d] += dq_parts[p, i, d]
-        not_finite[i] = not finite(dq[i:i + 1])
+        not_finite[i] = not all_finite(dq[i:i + 1])
 
 
 

@@ -121,7 +121,7 @@ def result_rows(result, b, h, rows):
 
 
 @njit(cache=True, fastmath=False)
-def finite(x):
+def all_finite(x):
     """Whether no value of the 2-D array x is NaN or inf (false for both in the comparison; no early
     exit, so the loop vectorises)."""
     finite = True
