@@ -197,8 +197,8 @@ def alibi_alignment(query_start: int, n_q: int, key_start: int, n_k: int) -> tup
     the backend's less ``slope * shift`` and out is the backend's. Keys all before the rows (or all after)
     need at most ``n_q - 1`` keys (``n_k - 1`` rows) of padding however far away they are.
 
-    >>> alibi_alignment(100, 1, 0, 4)       # a decode step over 4 sink tokens: no padding, 96 further away
-    (0, 0, 96)
+    >>> alibi_alignment(100, 1, 0, 4)       # a decode step over 4 sink tokens: no padding, 97 further away
+    (0, 0, 97)
     >>> alibi_alignment(96, 4, 90, 10)      # a window that ends with the rows: as it is
     (0, 0, 0)
     """
