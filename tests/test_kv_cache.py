@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sparse_attn as sa
-from sparse_attn.kv_cache import SparseKVCache, layout_at_positions, left_padded_attention
+from sparse_attn.kv_cache import SparseKVCache, left_padded_attention
 from sparse_attn.layout import BlockLayout
+from sparse_attn.positions import layout_at_positions
 from sparse_attn.rules import Context
 from tests.test_layout import patterns
 from tests.tolerance import FLOORS, assert_within_rule
