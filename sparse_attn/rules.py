@@ -625,7 +625,8 @@ def block_table(rule: Rule, ctx: Context, block_size: int,
     rows_per_chunk = max(1, _DENSE_CHUNK // n_kb)
     parts = [_classify_keys(rule, ctx, block_size, np.arange(r * n_kb, min(r + rows_per_chunk, n_qb) * n_kb), offset)
              for r in range(0, n_qb, rows_per_chunk)]
-    return tuple(np.concatenate(column) for column in zip(*parts))
+    keys, full, signatures = (np.concatenate(column) for column in zip(*parts))
+    return keys, full, signatures
 
 
 def _offset_keys(keys: np.ndarray, ctx: Context, block_size: int, offset: int) -> np.ndarray:
