@@ -137,7 +137,15 @@ def test_settings_take_what_is_given_and_the_rest_from_quick_or_default():
 # ------------------------------------------------------------------------------------------------
 # The peers, and that the CLI and the scripts run the same ones
 # ------------------------------------------------------------------------------------------------
-def test_the_cli_and_every_script_run_the_peers_of_one_module(monkeypatch):
+@pytest.fixture
+def recompile_limit_restored():
+    """Dynamo's recompile_limit as it was, after the test (cpu_kernels raises it). torch's config.patch, not
+    monkeypatch: pytest 9.2's monkeypatch deletes a torch config entry on undo, and every later compile fails."""
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        yield
+
+
+def test_the_cli_and_every_script_run_the_peers_of_one_module(monkeypatch, recompile_limit_restored):
     """sparse-attn bench (implementations.setup), cpu_kernels.py, gpu_kernels.py and documents.py build their
     sparse_attn, FlexAttention, dense and masked SDPA calls with sparse_attn.bench.peers, with their options."""
     cpu_kernels, gpu_kernels, documents = script("cpu_kernels"), script("gpu_kernels"), script("documents")
@@ -151,7 +159,6 @@ def test_the_cli_and_every_script_run_the_peers_of_one_module(monkeypatch):
 
     for name in ("sparse_attn", "flex", "sdpa", "masked_sdpa"):
         monkeypatch.setattr(peers, name, recorder(name))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)  # cpu_kernels sets it
     pattern = sa.Local(16) | sa.Global(first=2)
     q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))                    # (B, H, N, D)
     layout = pattern.layout(128, heads=2, block_size=64)
