@@ -11,49 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-FENCE = re.compile(r"^(?P<indent> *)```(?P<language>[\w+-]*)\s*$")
-SKIP = re.compile(r"^\s*<!--\s*skip:\s*(?P<reason>.+?)\s*-->\s*$")
+from tests.helpers import ROOT, Block, python_blocks
+
 EXTRAS = {"transformers": "hf", "triton": "triton", "matplotlib": "viz"}
-
-
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int              # line of the opening fence, 1-based
-    source: str
-    skip: str | None       # the reason from a <!-- skip: ... --> marker
-
-    def __str__(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
-
-
-def python_blocks(path: Path) -> list[Block]:
-    """The ```python blocks of a markdown file, dedented by their fence's indentation."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    blocks, opened, previous = [], None, ""       # opened: (fence line, indent, language, skip reason)
-    for number, line in enumerate(lines, 1):
-        fence = FENCE.match(line)
-        if fence and opened is None:
-            marker = SKIP.match(previous)
-            opened = (number, fence["indent"], fence["language"], marker["reason"] if marker else None)
-        elif fence and not fence["language"]:
-            start, indent, language, skip = opened
-            if language == "python":
-                body = [text.removeprefix(indent) for text in lines[start:number - 1]]
-                blocks.append(Block(path, start, "\n".join(body) + "\n", skip))
-            opened = None
-        if line.strip():
-            previous = line
-    return blocks
-
-
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
 

@@ -10,18 +10,15 @@ import pytest
 import torch
 
 import sparse_attn as sa
-from sparse_attn import backends
 
 transformers = pytest.importorskip("transformers", minversion="5.0",
                                    reason='needs transformers >= 5: pip install ".[hf]"')
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 from sparse_attn.integrations.transformers import model_pattern, own_patterns, register  # noqa: E402
-from tests.test_integrations_transformers import twins  # noqa: E402
+from tests.helpers import CPU_BACKEND, VOCAB, twins  # noqa: E402
 
-BACKEND = "numba" if backends.availability("numba")[0] else "reference"
-OWN = register(name="sparse_attn_test_own", backend=BACKEND)               # no pattern: the model's own per layer
-VOCAB = 100
+OWN = register(name="sparse_attn_test_own", backend=CPU_BACKEND)               # no pattern: the model's own per layer
 WINDOW = 5
 TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
             vocab_size=VOCAB, max_position_embeddings=256, pad_token_id=0)
@@ -63,7 +60,7 @@ def test_sliding_and_full_layers_equal_the_model_by_default(config, reference):
     expected = theirs(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep], expected[keep],
                                atol=1e-5, rtol=1e-5)
-    everything = register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND)
+    everything = register(sa.Dense(), name="sparse_attn_test_dense_all", backend=CPU_BACKEND)
     _, dense = twins(config, everything, AutoModelForCausalLM, reference)      # the windows matter
     assert not torch.allclose(dense(input_ids=ids, attention_mask=mask).logits[keep], expected[keep], atol=1e-3)
 
@@ -71,14 +68,14 @@ def test_sliding_and_full_layers_equal_the_model_by_default(config, reference):
 def test_one_pattern_per_layer():
     qwen, _ = _sliding_configs()
     name = register([sa.Local(WINDOW - 1, 0), sa.Dense(), sa.Local(WINDOW - 1, 0)], name="sparse_attn_test_layers",
-                    backend=BACKEND)
+                    backend=CPU_BACKEND)
     theirs, ours = twins(qwen, name, AutoModelForCausalLM)
     ids, mask = _batch()
     keep = mask.bool()
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
                                theirs(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
     ours.config.sparse_attn_pattern = [sa.Dense().to_dict()] * 3             # the config's list wins
-    _, dense = twins(qwen, register(sa.Dense(), name="sparse_attn_test_dense_all", backend=BACKEND),
+    _, dense = twins(qwen, register(sa.Dense(), name="sparse_attn_test_dense_all", backend=CPU_BACKEND),
                      AutoModelForCausalLM)
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits[keep],
                                dense(input_ids=ids, attention_mask=mask).logits[keep], atol=1e-5, rtol=1e-5)
@@ -120,7 +117,7 @@ def _generate(model, ids, mask, cache, tokens=40):
 
 def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
     """Llama-style GQA, a batch with left padding, sinks + a window far shorter than the generation."""
-    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
     ids, mask = _batch(n=12)
     cache = SparseCache(model)
     tokens, scores = _generate(model, ids, mask, cache)
@@ -134,7 +131,7 @@ def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
 
 
 def test_memory_stays_bounded():
-    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
     ids, mask = _batch(n=12)
     sizes = []
     for tokens in (20, 80):
@@ -172,7 +169,7 @@ def test_sparse_cache_errors():
     with pytest.raises(ValueError, match="SparseCache needs a model built with a sparse_attn attn_implementation .* "
                                          "got attn_implementation='sdpa'"):
         SparseCache(_llama("sdpa"))
-    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
     ids, mask = _batch(n=12)
     cache = SparseCache(model)
     model.config.sparse_attn_pattern = sa.Local(7, 0)
@@ -187,7 +184,7 @@ def test_sparse_cache_errors():
 def test_a_cache_call_that_raises_changes_nothing():
     """Keys that cannot continue the cache, and the methods SparseCache refuses (issue 23, item 1): the first
     update used to initialise the layer before its keys were checked, and crop() died with an AttributeError."""
-    cache = SparseCache(_llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND)))
+    cache = SparseCache(_llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND)))
     layer = cache.layers[0]
     with pytest.raises(ValueError, match=r"k must have shape \(batch, kv_heads, n_new, head_dim\) .* got \(1, 2, 8\)"):
         cache.update(torch.randn(1, 2, 8), torch.randn(1, 2, 8), 0)
@@ -213,7 +210,7 @@ def test_a_cache_call_that_raises_changes_nothing():
 def test_held_keys_are_forgotten_with_their_model_and_cache():
     """The positions of the keys a SparseCache layer returns live on those keys, not in a table of the integration:
     once a model and its cache are gone nothing of them stays, and the next model's caches start from nothing."""
-    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=BACKEND))
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
     ids, mask = _batch(n=12)
     cache = SparseCache(model)
     _generate(model, ids, mask, cache, tokens=8)
@@ -221,7 +218,7 @@ def test_held_keys_are_forgotten_with_their_model_and_cache():
     del model, cache
     gc.collect()
     assert [ref() for ref in gone] == [None] * len(gone)
-    other = _llama(register(sa.Local(3, 0), name="sparse_attn_test_other", backend=BACKEND))  # another pattern
+    other = _llama(register(sa.Local(3, 0), name="sparse_attn_test_other", backend=CPU_BACKEND))  # another pattern
     tokens, scores = _generate(other, ids, mask, SparseCache(other), tokens=8)
     full_tokens, full_scores = _generate(other, ids, mask, DynamicCache(), tokens=8)
     torch.testing.assert_close(tokens, full_tokens, rtol=0, atol=0)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", minversion="4.54",
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache, register  # noqa: E402
-from tests.test_integrations_transformers import BACKEND, VOCAB, tiny_config  # noqa: E402
+from tests.helpers import CPU_BACKEND, VOCAB, tiny_config  # noqa: E402
 
 PATTERNS = {"sinks": sa.Local(3, 0) | sa.Sink(first=2),                 # evicts early in a SparseCache
             "globals": sa.Local(3) | sa.Global(first=2)}
@@ -21,7 +21,7 @@ LENGTHS = (12, 7, 4)                                                    # rows 1
 
 def _model(pattern_name):
     torch.manual_seed(0)
-    name = register(PATTERNS[pattern_name], name=f"sparse_attn_test_padding_{pattern_name}", backend=BACKEND)
+    name = register(PATTERNS[pattern_name], name=f"sparse_attn_test_padding_{pattern_name}", backend=CPU_BACKEND)
     return AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=name).eval()
 
 

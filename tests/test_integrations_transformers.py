@@ -1,7 +1,6 @@
 """sparse_attn.integrations.transformers: attn_implementation="sparse_attn" for BERT, RoBERTa and Llama
 (GQA), against the models' own eager attention; training, generation with a dynamic and a static KV cache,
 to_long_model; models it cannot run (own attention layers, cross-attention, score changes) are refused."""
-import copy
 import doctest
 import importlib
 import json
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 import sparse_attn as sa
-from sparse_attn import backends
 
 transformers = pytest.importorskip("transformers", minversion="4.54",
                                    reason='needs transformers >= 4.54: pip install ".[hf]"')
@@ -23,45 +21,19 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     BartConfig,
-    BertConfig,
     BigBirdConfig,
     DataCollatorWithFlattening,
-    LlamaConfig,
     LongformerConfig,
     MistralConfig,
-    RobertaConfig,
     T5Config,
     T5EncoderModel,
 )
 
 from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache, register, to_long_model  # noqa: E402
-from tests.test_docs import ROOT, python_blocks  # noqa: E402
+from tests.helpers import CPU_BACKEND, ROOT, VOCAB, python_blocks, tiny_config, twins  # noqa: E402
 
-BACKEND = "numba" if backends.availability("numba")[0] else "reference"
-DENSE = register(sa.Dense(), name="sparse_attn_test_dense", backend=BACKEND)
-LOCAL = register(sa.Local(3) | sa.Global(first=1), name="sparse_attn_test_local", backend=BACKEND)
-VOCAB = 100
-
-
-def tiny_config(kind: str, **kwargs):
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
-                  max_position_embeddings=128, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
-    common |= kwargs
-    if kind == "bert":
-        return BertConfig(**common)
-    if kind == "roberta":
-        return RobertaConfig(**common, pad_token_id=1)
-    common = {k: v for k, v in common.items() if "dropout" not in k}
-    return LlamaConfig(**common, num_key_value_heads=2, pad_token_id=0)  # GQA: 4 query, 2 kv heads
-
-
-def twins(config, implementation: str, model_class=AutoModel, reference: str = "eager"):
-    """The same random weights under ``reference`` attention and under ``implementation`` (test_hf_cache too)."""
-    torch.manual_seed(0)
-    theirs = model_class.from_config(config, attn_implementation=reference).eval()
-    ours = model_class.from_config(copy.deepcopy(theirs.config), attn_implementation=implementation).eval()
-    ours.load_state_dict(theirs.state_dict())
-    return theirs, ours
+DENSE = register(sa.Dense(), name="sparse_attn_test_dense", backend=CPU_BACKEND)
+LOCAL = register(sa.Local(3) | sa.Global(first=1), name="sparse_attn_test_local", backend=CPU_BACKEND)
 
 
 def _batch(n=40, left=False):
@@ -309,7 +281,7 @@ def test_save_and_reload_keep_the_pattern_and_positions(tmp_path):
 
 
 def test_register_without_a_pattern_warns_naming_the_default_it_runs():
-    name = register(name="sparse_attn_test_no_pattern", backend=BACKEND)
+    name = register(name="sparse_attn_test_no_pattern", backend=CPU_BACKEND)
     with pytest.warns(UserWarning, match=r"attn_implementation='sparse_attn_test_no_pattern' runs this llama model "
                                          r"with sparse_attn's default pattern Local\(256\) \| Global\(first=1\) .* "
                                          r"register\(pattern, name='sparse_attn_test_no_pattern'\) or "

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import doctest
-import itertools
 import json
 import os
 import subprocess
@@ -19,58 +18,11 @@ from sparse_attn.backends import numba as numba_package
 from sparse_attn.backends.numba import backend as numba_backend
 from sparse_attn.backends.numba import backward, bundles, forward, lowlevel, mods, near_max, panels, schedule
 
+from .helpers import NUMBA_CASES as CASES
+from .helpers import NUMBA_IDS as IDS
+from .helpers import OUTPUTS as _OUTPUTS
+from .helpers import assert_agrees_row_by_row, case_inputs, flat_run, nonfinite_case, run_case
 from .tolerance import assert_within_rule
-
-# (id, pattern, batch, q heads, kv heads, n_q, n_k, head dim, block size, causal, padded keys, globals)
-CASES = [
-    ("longformer-ragged", sa.Local(20) | sa.Global(first=3), 1, 2, 2, 300, 300, 32, 32, False, 0, 0),
-    ("global-row-spans-panels", sa.Local(5) | sa.Global(first=1), 1, 1, 1, 1100, 1100, 16, 16, False, 0, 0),
-    ("n1", sa.Local(4), 1, 2, 1, 1, 1, 16, 16, False, 0, 0),
-    ("nq-ne-nk-causal", sa.Local(40) | sa.Sink(first=2), 2, 2, 2, 70, 200, 16, 16, True, 0, 0),
-    ("gqa", sa.Local(24) | sa.Global(first=2), 1, 4, 2, 150, 150, 32, 32, True, 0, 0),
-    ("mqa-block64", sa.Local(70), 1, 3, 1, 200, 200, 64, 64, False, 0, 0),
-    ("per-head-random", sa.PerHead([sa.Local(8), sa.Stride(5), sa.Dense(), sa.Random(2, seed=3) | sa.Local(4)]),
-     1, 4, 2, 130, 130, 16, 16, False, 0, 0),
-    ("padding-and-globals", sa.Local(10), 2, 2, 1, 180, 180, 32, 32, False, 30, 4),
-    ("empty-rows", sa.Local(3), 2, 2, 2, 96, 96, 16, 16, True, 40, 0),
-]
-IDS = [case[0] for case in CASES]
-
-
-def case_inputs(case, dtype, seed=0):
-    _, pattern, batch, hq, hkv, n_q, n_k, dim, bs, causal, padded, n_global = case
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, hq, n_q, dim, generator=gen, dtype=torch.float64)    # (B, Hq, Nq, D)
-    k = torch.randn(batch, hkv, n_k, dim, generator=gen, dtype=torch.float64)   # (B, Hkv, Nk, D)
-    v = torch.randn(batch, hkv, n_k, dim, generator=gen, dtype=torch.float64)
-    key_padding_mask = global_mask = None
-    if padded:   # example b pads its first `padded` keys (every row before them may be left empty)
-        key_padding_mask = torch.zeros(batch, n_k, dtype=torch.bool)
-        for b in range(batch):
-            key_padding_mask[b, :padded * (b + 1) // batch] = True
-    if n_global:  # example b makes tokens b*7 + (0, 13, 26, ...) global
-        global_mask = torch.zeros(batch, n_q, dtype=torch.bool)
-        for b in range(batch):
-            global_mask[b, b * 7::13][:n_global] = True
-    layout = pattern.layout(n_q, n_k, heads=hq, block_size=bs, causal=causal, key_padding_mask=key_padding_mask,
-                            global_mask=global_mask)
-    return [t.to(dtype).requires_grad_() for t in (q, k, v)], layout
-
-
-def run_case(backend, q, k, v, layout, seed=1, scale=None):
-    """out, lse and (dq, dk, dv) of a loss that also flows through the (finite) lse; backend: a
-    name, or a function (q, k, v, layout, scale) -> (out, lse)."""
-    if callable(backend):
-        out, lse = backend(q, k, v, layout, scale)
-    else:
-        out, lse = sparse_attention(q, k, v, layout, scale=scale, backend=backend, return_lse=True)
-    gen = torch.Generator().manual_seed(seed)
-    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
-    w_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).to(lse.dtype)
-    finite_lse = torch.where(torch.isinf(lse), 0.0, lse)
-    loss = (out * w_out).sum() + (finite_lse * w_lse).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
-    return out.detach(), lse.detach(), grads
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -100,73 +52,6 @@ def test_float32_within_tolerance_rule(case):
     for name, grad, base, oracle in zip(("dq", "dk", "dv"), grads, base_grads, oracle_grads):
         assert_within_rule(name, grad, oracle, base)
 
-
-# ------------------------------------------------------------------------------------------------
-# Non-finite and overflowing inputs, large logits (issue 11, findings 1 and 2)
-# ------------------------------------------------------------------------------------------------
-def reference_row_by_row(q, k, v, layout, scale=None):
-    """The reference backend run on each query row alone, over exactly its allowed keys, stacked:
-    attention over the allowed pairs only, for every value, NaN and inf included. (The reference
-    backend itself multiplies a chunk's masked pairs by 0 in dense matmuls, so there a NaN also
-    reaches rows and keys that never meet it, empty rows included.)"""
-    batch, heads, n_q, dim = q.shape
-    group = heads // k.shape[1]
-    mask = layout.to_dense()                                                    # (B, Hq, Nq, Nk)
-    outs, lses = [], []
-    for b, h, i in itertools.product(range(batch), range(heads), range(n_q)):
-        keys = mask[b, h, i].nonzero().squeeze(1)
-        if keys.numel() == 0:
-            outs.append(q.new_zeros(dim))
-            lses.append(q.new_full((), float("-inf")))
-            continue
-        out, lse = sparse_attention(q[b, h, i][None, None, None], k[b, h // group, keys][None, None],
-                                    v[b, h // group, keys][None, None], sa.Dense(), scale=scale, backend="reference",
-                                    return_lse=True)
-        outs.append(out.reshape(dim))
-        lses.append(lse.reshape(()))
-    return torch.stack(outs).reshape(q.shape), torch.stack(lses).reshape(q.shape[:3])
-
-
-def nonfinite_case(dtype, seed=0):
-    """96 tokens in blocks of 16, Local(40) | Global(first=3), causal, the first 40 keys padded:
-    rows 0-39 are empty; full and partial blocks; 2 query heads share 1 kv head."""
-    n = 96
-    padding = torch.zeros(1, n, dtype=torch.bool)
-    padding[0, :40] = True
-    layout = (sa.Local(40) | sa.Global(first=3)).layout(n, n, heads=2, block_size=16, causal=True,
-                                                        key_padding_mask=padding)
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64).to(dtype)  # (B, Hq, N, D)
-    k, v = (torch.randn(1, 1, n, 16, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
-    return q, k, v, layout
-
-
-_OUTPUTS = ("out", "lse", "dq", "dk", "dv")
-
-
-def flat_run(backend, q, k, v, layout, scale=None):
-    """(out, lse, dq, dk, dv) of run_case, from leaves q, k, v."""
-    out, lse, grads = run_case(backend, *(t.requires_grad_() for t in (q, k, v)), layout, scale=scale)
-    return out, lse, *grads
-
-
-def assert_agrees_row_by_row(q, k, v, layout, scale=None):
-    """NaN and inf exactly where the reference, row by row in the inputs' dtype, has them (values,
-    lse, dq, dk, dv), the finite rest within the DESIGN tolerance rule against float64."""
-    got = flat_run("numba", *(t.clone() for t in (q, k, v)), layout, scale)
-    want = flat_run(reference_row_by_row, *(t.clone() for t in (q, k, v)), layout, scale)
-    oracle = flat_run(reference_row_by_row, *(t.double() for t in (q, k, v)), layout, scale)
-    for name, x, y, z in zip(_OUTPUTS, got, want, oracle):
-        assert torch.equal(torch.isnan(x), torch.isnan(y)), f"{name}: NaN at {(x.isnan() ^ y.isnan()).nonzero()}"
-        assert torch.equal(torch.where(torch.isinf(x), x, 0), torch.where(torch.isinf(y), y, 0)), f"{name}: inf"
-        finite = torch.isfinite(y)
-        if not finite.any():
-            continue
-        if x.dtype == torch.float64:
-            torch.testing.assert_close(x[finite], y[finite], rtol=1e-9, atol=1e-10, msg=name)
-        else:
-            assert_within_rule(name, x[finite], z[finite], y[finite])
-    return got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

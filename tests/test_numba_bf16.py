@@ -15,7 +15,9 @@ import sparse_attn as sa
 from sparse_attn.backends.numba import backend as numba_backend
 from sparse_attn.backends.numba import bf16 as numba_bf16
 
-from .test_numba_backend import CASES, IDS, assert_agrees_row_by_row, case_inputs, flat_run, nonfinite_case, run_case
+from .helpers import NUMBA_CASES as CASES
+from .helpers import NUMBA_IDS as IDS
+from .helpers import assert_agrees_row_by_row, case_inputs, flat_run, nonfinite_case, run_case
 from .tolerance import assert_within_rule
 
 NATIVE, WHY = numba_bf16.native()
