@@ -46,6 +46,9 @@ def held_mask(rules: list[Rule], query_positions: np.ndarray, key_positions: np.
     """
     i, j = query_positions[:, None], key_positions[None, :]                           # (rows, 1), (1, keys)
     real = (i >= 0) & (j >= 0)
+    if len(rules) == 1 and real.all():                                                 # one rule, no padding
+        allowed = rules[0].allows(i, j)
+        return None if allowed.all() else allowed[None]
     mask = np.stack([rule.allows(i, j) & real for rule in rules])                      # (heads, rows, keys)
     return None if mask.all() else mask
 

@@ -85,6 +85,7 @@ class SparseKVCache:
         self._new = np.zeros(0, dtype=np.int64)         # positions appended by the last update
         self._layouts: dict[tuple, BlockLayout] = {}    # token mask (packed) -> its layout, latest last
         self._rules: dict[Context, object] = {}         # context -> the pattern's rule there (this step's)
+        self._checked: tuple | None = None              # the last call that passed attend's checks, described
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -123,6 +124,8 @@ class SparseKVCache:
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n_new = k.shape[2]
+        if n_new == 1 and self._replaces_oldest():
+            return self._append_one(k, v)
         new = np.arange(self._seen, self._seen + n_new, dtype=np.int64)
         self._evict(t=self._seen)
         fixed = np.isin(new, self._fixed) if len(self._fixed) and new[0] <= self._fixed[-1] else \
@@ -145,6 +148,29 @@ class SparseKVCache:
             index = torch.from_numpy(held).to(self._keys.device)
             keys, values = self._keys.index_select(2, index), self._values.index_select(2, index)
         return keys, values, torch.from_numpy(self._slot_positions[held])
+
+    def _replaces_oldest(self) -> bool:
+        """Whether the next token takes the oldest ring entry's slot: the steady decode step of a bounded
+        pattern (every slot in use, the global queries behind, the oldest entry leaving the window now,
+        the token not a fixed one)."""
+        r, t = self.retention, self._seen
+        ring_size = len(self._slot_positions) - len(self._fixed)
+        if not r.bounded or self._ring_count != ring_size or ring_size == 0 or t <= self._dense_until() \
+                or (len(self._fixed) and t <= self._fixed[-1]):           # (every fixed token appended: held)
+            return False
+        return self._slot_positions[len(self._fixed) + self._ring_head] == t - r.window - 1
+
+    def _append_one(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_append`` of one token when :meth:`_replaces_oldest`: its key and value overwrite the oldest
+        entry's slot, the ring turns by one, and the storage (every slot) is what the step attends."""
+        slot = len(self._fixed) + self._ring_head
+        self._keys.select(2, slot).copy_(k.select(2, 0))
+        self._values.select(2, slot).copy_(v.select(2, 0))
+        self._slot_positions[slot] = self._seen
+        self._ring_head = (self._ring_head + 1) % (len(self._slot_positions) - len(self._fixed))
+        self._new = np.array([self._seen], dtype=np.int64)
+        self._seen += 1
+        return self._keys, self._values, torch.from_numpy(self._slot_positions.copy())
 
     def _check_kv(self, k, v) -> None:
         """k, v as the caller passed them, and that they continue the held keys (batch, heads, head dim, dtype,
@@ -330,8 +356,13 @@ class SparseKVCache:
         ``sparse_attention`` (ALiBi at the tokens' positions, whatever was evicted between them). Every
         argument is checked first: a call that raises leaves the cache as it was."""
         mods: dict[str, Any] = {"softcap": softcap, "alibi_slopes": alibi_slopes, "sinks": sinks}
-        self._check_kv(k, v)
-        self._check_queries(q, k, v, scale, return_lse, mods)
+        signature = _call_signature(q, k, v, scale, return_lse, mods, self._starts)
+        if signature is None or signature != self._checked:
+            self._check_kv(k, v)
+            self._check_queries(q, k, v, scale, return_lse, mods)
+            self._checked = signature
+        else:                                           # as the last call: only what depends on the length
+            self._rule(Context(q.shape[2], self._seen + k.shape[2], 0))
         keys, values, positions = self._append(k, v)
         return self.attention(q, keys, values, positions, scale=scale, return_lse=return_lse, **mods)
 
@@ -498,6 +529,16 @@ class SparseKVCache:
         while len(self._layouts) > _KEPT_LAYOUTS:
             del self._layouts[next(iter(self._layouts))]
         return layout
+
+
+def _call_signature(q, k, v, scale, return_lse, mods: dict, starts: np.ndarray | None) -> tuple | None:
+    """What ``attend``'s checks read of a call, for a call that only tensors, a float or None scale and no
+    modifiers describe (a decode step): a step like the last checked one passes them again. None: check."""
+    if not all(type(t) is torch.Tensor for t in (q, k, v)) or any(m is not None for m in mods.values()) or \
+            type(return_lse) is not bool or not (scale is None or type(scale) is float):
+        return None
+    return (tuple((t.shape, t.dtype, t.device) for t in (q, k, v)), scale, return_lse,
+            None if starts is None else len(starts))
 
 
 def _pad_tokens(t: torch.Tensor, count: int) -> torch.Tensor:

@@ -150,7 +150,7 @@ class WindowRule(Rule):
         self.before, self.after, self.unit = before, after, unit
 
     def allows(self, i, j):
-        d = j // self.unit - i // self.unit
+        d = j - i if self.unit == 1 else j // self.unit - i // self.unit      # (int64 division is slow)
         return (d >= -self.before) & (d <= self.after)
 
     def classify(self, b):
@@ -428,6 +428,8 @@ def token_positions(n: int, tokens=(), first: int = 0, last: int = 0) -> np.ndar
     >>> token_positions(10, tokens=(5, 50), last=2).tolist()
     [5, 8, 9]
     """
+    if not tokens and not last:                                     # the first ones only: a decode step's sinks
+        return np.arange(min(first, n), dtype=np.int64)
     explicit = np.asarray([t for t in tokens if t < n], dtype=np.int64)
     head = np.arange(min(first, n), dtype=np.int64)
     tail = np.arange(max(n - last, 0), n, dtype=np.int64)

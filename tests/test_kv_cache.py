@@ -13,7 +13,7 @@ from sparse_attn.kv_cache import SparseKVCache, left_padded_attention
 from sparse_attn.layout import BlockLayout
 from sparse_attn.positions import layout_at_positions
 from sparse_attn.rules import Context
-from tests.test_layout import patterns
+from tests.strategies import patterns
 from tests.tolerance import FLOORS, assert_within_rule
 
 W = 8  # the window of the bounded patterns below: Local(W - 1, 0) reaches W keys
@@ -256,11 +256,13 @@ def _bad_calls():
 @pytest.mark.parametrize("what, call, error, message", _bad_calls(), ids=[case[0] for case in _bad_calls()])
 def test_a_call_that_raises_leaves_the_cache_as_it_was(what, call, error, message):
     """The retry with the right arguments returns the rows attention over the full past returns (the bad q
-    used to be checked after k, v were appended: the retry then saw them twice, max error 0.54)."""
+    used to be checked after k, v were appended: the retry then saw them twice, max error 0.54). Two steps
+    before the bad call: a step like the last checked one skips the checks, a bad one must not."""
     pattern, g = sa.Local(3, 0) | sa.Sink(first=1), torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 8, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     cache = SparseKVCache(pattern, backend="reference")
-    cache.attend(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+    for new in (slice(0, 5), slice(5, 6), slice(6, 7)):
+        cache.attend(q[:, :, new], k[:, :, new], v[:, :, new])
     before = _state(cache)
     with pytest.raises(error, match=message):
         call(cache)
