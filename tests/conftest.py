@@ -10,6 +10,7 @@
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import tests.tolerance  # noqa: F401  (warms float64 exp up on import)
@@ -19,3 +20,15 @@ if not torch.cuda.is_available():
 
 CHECKOUT = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join([CHECKOUT, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.fixture
+def pieces_of(monkeypatch):
+    """Cut every row and column of more than ``blocks`` blocks into pieces in the Triton backend (the GPU does so
+    only for rows much longer than the pass's average, too few in the small cases an interpreter affords)."""
+    from sparse_attn.backends import triton_gpu, work_split
+
+    def cut(blocks):
+        monkeypatch.setattr(work_split, "MIN_PIECE_BLOCKS", blocks)
+        monkeypatch.setattr(triton_gpu, "_programs", lambda device: 1 << 30)
+    return cut

@@ -27,14 +27,14 @@ OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
 
 # --- inputs, runs and the tolerance rule over all five outputs -----------------------------------
-def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, seed=0, kv_batch=None):
-    """q (B, Hq, Nq, D), k, v (kv_batch or B, Hkv, Nk, D) on DEVICE, drawn in float64 then cast to ``dtype``."""
+def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, seed=0, kv_batch=None, device=DEVICE):
+    """q (B, Hq, Nq, D), k, v (kv_batch or B, Hkv, Nk, D) on ``device``, drawn in float64 then cast to ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     kv_batch = batch if kv_batch is None else kv_batch
     q = torch.randn(batch, q_heads, n_q, head_dim, generator=gen, dtype=torch.float64)
     k = torch.randn(kv_batch, kv_heads, n_k, head_dim, generator=gen, dtype=torch.float64)
     v = torch.randn(kv_batch, kv_heads, n_k, head_dim, generator=gen, dtype=torch.float64)
-    return [t.to(DEVICE, dtype) for t in (q, k, v)]
+    return [t.to(device, dtype) for t in (q, k, v)]
 
 
 def run_backend(backend, q, k, v, layout, grad_out, grad_lse=None, **call):

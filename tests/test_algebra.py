@@ -19,8 +19,8 @@ from sparse_attn import cli
 from sparse_attn.expression import PatternTextError, parse_pattern
 from sparse_attn.pattern import MAX_DEPTH
 from sparse_attn.rules import ComplementRule, Context, resolve
-from tests.test_documents import run_backend
-from tests.test_layout import check_layout_matches_mask, has_random, patterns_for
+from tests.helpers import run_backend
+from tests.strategies import check_layout_matches_mask, has_random, patterns_for
 from tests.tolerance import assert_within_rule
 
 SIZES = st.tuples(st.integers(1, 40), st.integers(1, 40))

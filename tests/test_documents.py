@@ -10,35 +10,10 @@ from hypothesis import strategies as st
 import sparse_attn as sa
 from sparse_attn import packing
 from sparse_attn.documents import document_spans, document_values
-from sparse_attn.rules import Context, resolve
-from tests.test_layout import check_blocks_exact, patterns
+from sparse_attn.rules import resolve
+from tests.helpers import dense_baseline, run_backend
+from tests.strategies import check_blocks_exact, document_mask, patterns
 from tests.tolerance import assert_within_rule
-
-
-# --- the definition -----------------------------------------------------------------------------
-def document_mask(pattern, ids, heads=1, causal=False, global_mask=None, key_padding_mask=None):
-    """(B, H, N, N) bool by the definition: each document's own token mask (its pattern resolved for its
-    length, its global tokens and padding) placed on the diagonal; nothing else."""
-    ids = np.asarray(ids)
-    batch, n = ids.shape
-    out = torch.zeros(batch, heads, n, n, dtype=torch.bool)
-    spans = document_spans(ids)
-    for b, s, length, _ in zip(*spans):
-        e = s + length
-        i = np.arange(length)[:, None]
-        j = np.arange(length)[None, :]
-        for h in range(heads):
-            m = np.broadcast_to(resolve(pattern, Context(int(length), int(length), h)).allows(i, j),
-                                (length, length)).copy()
-            if global_mask is not None:
-                g = np.asarray(global_mask[b, s:e])
-                m |= g[:, None] | g[None, :]
-            if causal:
-                m &= j <= i
-            if key_padding_mask is not None:
-                m &= ~np.asarray(key_padding_mask[b, s:e])[None, :]
-            out[b, h, s:e, s:e] = torch.from_numpy(m)
-    return out
 
 
 def check_documents_layout(pattern, ids, heads=1, block_size=8, **call):
@@ -227,25 +202,6 @@ def packed_case(name, heads=2, kv_heads=1, dim=16, dtype=torch.float64):
     ids = sa.documents_from_lengths(lengths, n)
     layout = pattern.layout(n, heads=heads, block_size=16, documents=ids, **call)
     return [t.to(dtype) for t in (q, k, v)], ids, pattern, call, layout
-
-
-def run_backend(backend, q, k, v, layout, grad_out):
-    """out, lse, dq, dk, dv of one backend on copies of q, k, v."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = sa.sparse_attention(q, k, v, layout, backend=backend, return_lse=True)
-    (out.double() * grad_out).sum().backward()
-    return out, lse, q.grad, k.grad, v.grad
-
-
-def dense_baseline(q, k, v, layout, grad_out):
-    """The same attention as dense torch in q's dtype (the tolerance rule's baseline)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = ((q @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5).masked_fill(~layout.to_dense(), float("-inf"))
-    out = torch.softmax(scores, -1).nan_to_num(0.0) @ vv
-    (out.double() * grad_out).sum().backward()
-    return out, scores.detach().logsumexp(-1), q.grad, k.grad, v.grad
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

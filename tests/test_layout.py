@@ -13,109 +13,18 @@ from sparse_attn import assembly, compiler
 from sparse_attn import layout as layout_module
 from sparse_attn.blocks import MAX_LENGTH
 from sparse_attn.layout import KernelIndex
-from tests.test_pattern import EXTREME_CASES, EXTREME_RANDOM, EXTREMES, N
-
-# --- random compositions ------------------------------------------------------------------------
-leaves = st.one_of(
-    st.builds(sa.Local, st.integers(0, 20), st.integers(0, 20), st.sampled_from([1, 1, 3, 8])),
-    st.builds(sa.Stride, st.integers(1, 9), st.integers(-3, 3)),
-    st.builds(sa.Dilated, st.integers(0, 6), st.integers(1, 4)),
-    st.builds(sa.Global, st.lists(st.integers(0, 60), max_size=4), st.integers(0, 5), st.integers(0, 5)),
-    st.builds(sa.Sink, st.lists(st.integers(0, 60), max_size=3), st.integers(0, 4), st.sampled_from([0, 5, 8])),
-    st.builds(sa.Random, st.integers(0, 3), st.integers(0, 9), st.sampled_from([4, 7, 16])),
-    st.just(sa.Causal()),
-    st.just(sa.Dense()),
+from tests.strategies import (
+    EXTREME_CASES,
+    EXTREME_RANDOM,
+    EXTREMES,
+    N,
+    check_layout_matches_mask,
+    has_random,
+    leaves,
+    pattern_trees,
+    patterns,
+    patterns_for,
 )
-
-
-def block_grids(n_q, n_k, heads=None):
-    """``Blocks`` leaves that fit (n_q, n_k): a random grid of a random block size, shared or per head."""
-    def grid(block_size, per_head, density, seed):
-        shape = ((heads,) if per_head else ()) + (-(-n_q // block_size), -(-n_k // block_size))
-        return sa.Blocks(np.random.default_rng(seed).random(shape) < density, block_size)
-    return st.builds(grid, st.sampled_from([1, 2, 3, 5, 8, 16, 100]), st.booleans() if heads else st.just(False),
-                     st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.integers(0, 2**16))
-
-
-def pattern_trees(leaf):
-    """Random compositions of ``leaf`` with |, & and ~."""
-    return st.recursive(leaf, lambda inner: st.one_of(
-        st.builds(lambda a, b: a | b, inner, inner),
-        st.builds(lambda a, b: a & b, inner, inner),
-        st.builds(lambda a: ~a, inner),
-    ), max_leaves=5)
-
-
-patterns = pattern_trees(leaves)                        # fits every size
-
-
-def patterns_for(n_q, n_k, heads=None):
-    """Compositions that may hold ``Blocks`` grids, which fit only (n_q, n_k) (and ``heads`` if per head)."""
-    return pattern_trees(st.one_of(leaves, block_grids(n_q, n_k, heads)))
-
-
-def check_layout_matches_mask(pattern, n_q, n_k, heads, block_size, **masks):
-    layout = pattern.layout(n_q, n_k, heads=heads, block_size=block_size, **masks)
-    dense = layout.to_dense()                                          # (Bl, H, n_q, n_k)
-    expected = expected_mask(pattern, n_q, n_k, heads, **masks)
-    assert torch.equal(dense, expected.expand_as(dense))
-    check_blocks_exact(layout, expected.expand(layout.batch, heads, n_q, n_k))
-    return layout
-
-
-def expected_mask(pattern, n_q, n_k, heads, causal=False, global_mask=None, key_padding_mask=None):
-    """The call-time masks combined by their definitions: (p | globals) & causal & ~padding."""
-    mask = pattern.mask(n_q, n_k, heads)[None]                         # (1, H, n_q, n_k)
-    if global_mask is not None:
-        mask = mask | global_mask[:, None, :, None] | global_mask[:, None, None, :]
-    if causal:
-        mask = mask & sa.Causal().mask(n_q, n_k)
-    if key_padding_mask is not None:
-        mask = mask & ~key_padding_mask[:, None, None, :]
-    return mask
-
-
-def check_blocks_exact(layout, expected):
-    """Full blocks all allowed, partial blocks neither empty nor full, absent blocks empty; the
-    transposed index lists the same blocks and tiles."""
-    bs, n_qb, n_kb = layout.block_size, layout.n_q_blocks, layout.n_k_blocks
-    assert layout.masks.shape[1:] == (min(bs, layout.n_q), min(bs, layout.n_k))
-    padded = torch.zeros(*expected.shape[:2], n_qb * bs, n_kb * bs, dtype=torch.bool)
-    padded[..., :layout.n_q, :layout.n_k] = expected
-    tiles = padded.reshape(*expected.shape[:2], n_qb, bs, n_kb, bs).transpose(3, 4)  # (B, H, r, c, bs, bs)
-    valid = torch.zeros_like(padded)
-    valid[..., :layout.n_q, :layout.n_k] = True
-    valid = valid.reshape(*expected.shape[:2], n_qb, bs, n_kb, bs).transpose(3, 4)
-    allowed, area = tiles.sum((-1, -2)), valid.sum((-1, -2))
-    for b in range(layout.batch):
-        for h in range(layout.heads):
-            hl = 0 if layout.shared_heads else h
-            kind = torch.zeros(n_qb, n_kb, dtype=torch.int64)          # 0 absent, 1 full, 2 partial
-            by_row, by_col = set(), set()
-            for label, ptr, idx, tile_ids, t_ptr, t_idx, t_tiles in (
-                    (1, layout.full_ptr, layout.full_idx, None, layout.full_t_ptr, layout.full_t_idx, None),
-                    (2, layout.part_ptr, layout.part_idx, layout.part_mask,
-                     layout.part_t_ptr, layout.part_t_idx, layout.part_t_mask)):
-                for r in range(n_qb):
-                    row = idx[int(ptr[b, hl, r]):int(ptr[b, hl, r + 1])]
-                    assert (row[1:] > row[:-1]).all(), "key blocks of a row must be sorted"
-                    for e in range(int(ptr[b, hl, r]), int(ptr[b, hl, r + 1])):
-                        c = int(idx[e])
-                        assert kind[r, c] == 0, "a block listed twice"
-                        kind[r, c] = label
-                        tile = -1 if tile_ids is None else int(tile_ids[e])
-                        by_row.add((r, c, tile))
-                        if tile >= 0:
-                            tq, tk = layout.masks.shape[1:]                # block_size, or the sequence if shorter
-                            assert torch.equal(layout.masks[tile], tiles[b, h, r, c, :tq, :tk]), "partial tile not exact"
-                for c in range(n_kb):
-                    for e in range(int(t_ptr[b, hl, c]), int(t_ptr[b, hl, c + 1])):
-                        by_col.add((int(t_idx[e]), c, -1 if t_tiles is None else int(t_tiles[e])))
-            assert by_row == by_col, "transposed index disagrees with the row index"
-            a, s = allowed[b, h], area[b, h]
-            assert torch.equal(kind == 1, (a == s) & (kind != 0)), "full blocks are exactly the all-allowed ones"
-            assert (a[kind == 0] == 0).all(), "an absent block has allowed pairs"
-            assert ((a[kind == 2] > 0) & (a[kind == 2] < s[kind == 2])).all(), "partial block is empty or full"
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -302,11 +211,6 @@ def test_long_layouts_build_in_memory_proportional_to_blocks(pattern, n, heads, 
     assert layout.full_idx.numel() + layout.part_idx.numel() <= stored_heads * rows * (per_row + 2) + rows * 8
     assert layout.masks.shape[0] <= 64
     assert peak < 400e6, f"layout build peaked at {peak / 1e6:.0f} MB"
-
-
-def has_random(pattern) -> bool:
-    members = getattr(pattern, "patterns", ()) + ((pattern.pattern,) if isinstance(pattern, sa.Complement) else ())
-    return isinstance(pattern, sa.Random) or any(has_random(p) for p in members)
 
 
 @settings(max_examples=80, deadline=None)

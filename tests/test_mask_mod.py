@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import sparse_attn as sa
 from sparse_attn.layout import BlockLayout, KernelIndex
-from tests.test_layout import block_grids, leaves, pattern_trees
+from tests.strategies import block_grids, leaves, pattern_trees
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile",

@@ -9,6 +9,7 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn.pattern import MAX_DEPTH
+from tests.strategies import EXTREME_CASES, EXTREME_RANDOM, EXTREMES, N
 
 SIZES = [(1, 1), (7, 7), (16, 16), (13, 29), (29, 13), (40, 40)]
 
@@ -220,46 +221,6 @@ INVALID = [
 def test_invalid_parameters_raise_clear_errors(make, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
         make()
-
-
-# --- extreme arguments: any int is accepted and means what the definition says -------------------
-N = 13  # the length the n-relative extremes below refer to
-EXTREMES = [0, 1, N - 1, N, N + 1, 2**31, 2**62, 2**63 - 1, 2**63, 2**64, 10**30]
-
-
-def _local_rule(before, after, u):
-    return lambda i, j, n: i // u - before <= j // u <= i // u + after
-
-
-def _global_rule(tokens, first, last):
-    return lambda i, j, n: any(t in tokens or t < first or t >= n - last for t in (i, j) if t >= 0)
-
-
-# (make(x), definition(x)): every argument of every kind at every extreme; the definitions use Python ints
-EXTREME_CASES = [
-    (lambda x: sa.Local(x), lambda x: _local_rule(x, x, 1)),
-    (lambda x: sa.Local(0, x), lambda x: _local_rule(0, x, 1)),
-    (lambda x: sa.Local(x, 0), lambda x: _local_rule(x, 0, 1)),
-    (lambda x: sa.Local(1, 0, block_size=max(x, 1)), lambda x: _local_rule(1, 0, max(x, 1))),
-    (lambda x: sa.Local(x, x, block_size=max(x, 1)), lambda x: _local_rule(x, x, max(x, 1))),
-    (lambda x: sa.Stride(max(x, 1)), lambda x: lambda i, j, n: (i - j) % max(x, 1) == 0),
-    (lambda x: sa.Stride(3, offset=x), lambda x: lambda i, j, n: (i - j - x) % 3 == 0),
-    (lambda x: sa.Stride(3, offset=-x), lambda x: lambda i, j, n: (i - j + x) % 3 == 0),
-    (lambda x: sa.Stride(max(x, 1), offset=x - 5), lambda x: lambda i, j, n: (i - j - x + 5) % max(x, 1) == 0),
-    (lambda x: sa.Stride(max(x, 1), offset=-2), lambda x: lambda i, j, n: (i - j + 2) % max(x, 1) == 0),
-    (lambda x: sa.Dilated(x, 2), lambda x: lambda i, j, n: i - 2 * x <= j <= i + 2 * x and (i - j) % 2 == 0),
-    (lambda x: sa.Dilated(1, max(x, 1)), lambda x: lambda i, j, n: abs(i - j) in (0, max(x, 1))),
-    (lambda x: sa.Dilated(1, 2, after=x), lambda x: lambda i, j, n: i - 2 <= j <= i + 2 * x and (i - j) % 2 == 0),
-    (lambda x: sa.Global(tokens=(x,)), lambda x: _global_rule((x,), 0, 0)),
-    (lambda x: sa.Global(first=x), lambda x: _global_rule((), x, 0)),
-    (lambda x: sa.Global(last=x), lambda x: _global_rule((), 0, x)),
-    (lambda x: sa.Sink(tokens=(x,), first=x), lambda x: lambda i, j, n: j == x or j < x),
-    (lambda x: sa.Sink(period=x), lambda x: lambda i, j, n: x > 0 and j % x == x - 1),
-    (lambda x: sa.Sink(period=x + 3, width=x + 1), lambda x: lambda i, j, n: j % (x + 3) >= 2),
-    (lambda x: sa.Sink(period=x + 3, width=1), lambda x: lambda i, j, n: j % (x + 3) == x + 2),
-]
-EXTREME_RANDOM = [lambda x: sa.Random(x, block_size=4), lambda x: sa.Random(2, seed=x, block_size=4),
-                  lambda x: sa.Random(1, block_size=max(x, 1)), lambda x: sa.Random(x, seed=x, block_size=max(x, 1))]
 
 
 @pytest.mark.parametrize("x", EXTREMES)

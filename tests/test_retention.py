@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import sparse_attn as sa
 from sparse_attn.retention import retention
-from tests.test_layout import pattern_trees, patterns
+from tests.strategies import pattern_trees, patterns
 
 MARGIN = 12  # queries after the last existing key that the brute force tries
 

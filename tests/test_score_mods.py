@@ -1,7 +1,6 @@
 """softcap, alibi_slopes and sinks in sparse_attention (issue 27): the reference backend against the float64
 oracle of tests/score_mods_oracle.py (written from the formulas), every combination, values and gradients;
 add_sink's edge cases; bad input."""
-import itertools
 import math
 
 import pytest
@@ -9,87 +8,14 @@ import torch
 
 import sparse_attn as sa
 from sparse_attn.score_mods import NO_MODS, ScoreMods, add_sink, check_mods
+from tests.cases import DOUBLE, MODS, make, modifiers
+from tests.cases import SCORE_MOD_CASES as CASES
 from tests.score_mods_oracle import oracle
 
-DOUBLE = torch.float64
+WITH_MODS = [mods for mods in MODS if mods != (None, None, False)]   # without any: tests/test_conformance.py
 
 
-def make(shape, seed, grad=True):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=DOUBLE).requires_grad_(grad)
-
-
-def documents_mask(pattern, documents, heads):
-    """(B, H, N, N): each document a sequence by itself (positions from its start), written from the ids."""
-    batch, n = documents.shape
-    mask = torch.zeros(batch, heads, n, n, dtype=torch.bool)
-    for b in range(batch):
-        for doc in documents[b].unique().tolist():
-            if doc < 0:
-                continue
-            at = (documents[b] == doc).nonzero()[:, 0]
-            lo, hi = int(at[0]), int(at[-1]) + 1
-            mask[b, :, lo:hi, lo:hi] = torch.as_tensor(pattern.mask(hi - lo, heads=heads))
-    return mask
-
-
-def case_gqa():
-    p = sa.Local(3) | sa.Global(first=1)
-    return dict(shapes=(2, 4, 2, 37, 37), pattern=p, options={}, mask=p.mask(37))
-
-
-def case_kv_broadcast():
-    p = sa.Local(4, 1) | sa.Sink(first=2)
-    return dict(shapes=(3, 4, 1, 29, 29), kv_batch=1, pattern=p, options={}, mask=p.mask(29))
-
-
-def case_decode_shape():                         # n_q < n_k: rows at the bottom right
-    p = sa.Local(5, 0) | sa.Sink(first=1)
-    return dict(shapes=(2, 2, 2, 7, 70), pattern=p, options={}, mask=p.mask(7, 70))
-
-
-def case_causal_empty_rows():                    # n_q > n_k: the first 8 rows see no key
-    p = sa.Local(4)
-    causal = torch.ones(20, 12, dtype=torch.bool).tril(12 - 20)
-    return dict(shapes=(2, 2, 1, 20, 12), pattern=p, options={"causal": True},
-                mask=torch.as_tensor(p.mask(20, 12)) & causal)
-
-
-def case_key_padding():
-    p = sa.Local(6) | sa.Global(first=1)
-    padding = torch.zeros(2, 40, dtype=torch.bool)
-    padding[1, 25:] = True
-    padding[0, :] = True                         # example 0: nothing to attend, every row empty
-    return dict(shapes=(2, 2, 2, 40, 40), pattern=p, options={"key_padding_mask": padding},
-                mask=torch.as_tensor(p.mask(40))[None] & ~padding[:, None, None, :])
-
-
-def case_documents():
-    p = sa.Local(2, 0) | sa.Global(first=1)
-    documents = sa.documents_from_lengths([[10, 15, 8], [30]], n=36)
-    return dict(shapes=(2, 2, 1, 36, 36), pattern=p, options={"documents": documents},
-                mask=documents_mask(p, torch.as_tensor(documents), 2))
-
-
-def case_per_head():
-    p = sa.PerHead([sa.Local(1), sa.Stride(3), sa.Dense() & sa.Causal(), sa.Local(2) | sa.Global(first=3)])
-    return dict(shapes=(1, 4, 2, 33, 33), pattern=p, options={}, mask=p.mask(33, heads=4))
-
-
-CASES = [case_gqa, case_kv_broadcast, case_decode_shape, case_causal_empty_rows, case_key_padding, case_documents,
-         case_per_head]
-MODS = list(itertools.product([None, 3.0], [None, "heads", "examples"], [False, True]))
-
-
-def modifiers(softcap, slopes, sinks, batch, heads):
-    gen = torch.Generator().manual_seed(7)
-    shape = {None: None, "heads": (heads,), "examples": (batch, heads)}[slopes]
-    return {"softcap": softcap,
-            "alibi_slopes": None if shape is None else torch.rand(shape, generator=gen, dtype=DOUBLE),
-            "sinks": (torch.randn(heads, generator=gen, dtype=DOUBLE) * 2).requires_grad_() if sinks else None}
-
-
-@pytest.mark.parametrize("softcap, slopes, sinks", MODS, ids=lambda m: str(m))
+@pytest.mark.parametrize("softcap, slopes, sinks", WITH_MODS, ids=lambda m: str(m))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_reference_equals_the_oracle(case, softcap, slopes, sinks):
     c = case()

@@ -12,8 +12,9 @@ from sparse_attn.backends.numba import backend as numba_backend
 from sparse_attn.backends.numba import bf16 as numba_bf16
 from sparse_attn.backends.numba.mods import call_modifiers
 from sparse_attn.score_mods import ScoreMods
+from tests.cases import MODS, make, modifiers
+from tests.cases import SCORE_MOD_CASES as CASES
 from tests.score_mods_oracle import oracle
-from tests.test_score_mods import CASES, MODS, make, modifiers
 from tests.tolerance import FLOORS, assert_within_rule
 
 BLOCK = 16                      # the cases' 29-70 tokens make 2-5 blocks a side: full and partial blocks

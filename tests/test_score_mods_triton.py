@@ -20,8 +20,8 @@ import triton.language as tl  # noqa: E402
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.backends import triton_gpu  # noqa: E402
 from sparse_attn.score_mods import NO_MODS, ScoreMods  # noqa: E402
+from tests.helpers import DEVICE, make_qkv  # noqa: E402
 from tests.score_mods_oracle import oracle  # noqa: E402
-from tests.test_triton_backend import DEVICE, make_qkv, pieces_of  # noqa: E402, F401  (pieces_of: a fixture)
 from tests.tolerance import FLOORS, assert_within_rule  # noqa: E402
 
 SCALE = 0.4
@@ -152,7 +152,7 @@ def test_half_precision_with_both_modifiers(dtype):
 
 
 @pytest.mark.parametrize("name, blocks", [("gqa-partial-blocks", 1), ("decode-shape-causal", 1), ("documents", 2)])
-def test_rows_and_columns_cut_into_pieces_merge_by_lse(name, blocks, pieces_of):  # noqa: F811
+def test_rows_and_columns_cut_into_pieces_merge_by_lse(name, blocks, pieces_of):
     """Split rows (the forward's merge by log-sum-exp, the backward's sums), also a decode-shaped row of 7
     queries over 50 keys cut into 4 pieces: each piece computes its modified scores, the merge is unchanged."""
     pieces_of(blocks)

@@ -19,11 +19,10 @@ pytest.importorskip("triton", reason='needs triton (its interpreter without a GP
 
 import sparse_attn as sa  # noqa: E402
 from sparse_attn.api import sparse_attention  # noqa: E402
-from sparse_attn.backends import triton_gpu, work_split  # noqa: E402
-from tests.tolerance import FLOORS, assert_within_rule  # noqa: E402
+from sparse_attn.backends import triton_gpu  # noqa: E402
+from tests.helpers import DEVICE, ON_CUDA, assert_matches_oracle, dense_baseline, make_qkv, run_backend  # noqa: E402
+from tests.tolerance import FLOORS  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_CUDA = DEVICE == "cuda"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -32,71 +31,16 @@ HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.ski
 CASE_DTYPES = list(FLOORS) if ON_CUDA else [torch.float32]   # the interpreter's time goes to float32 on CPU
 
 
-def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, q_heads, n_q, head_dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, kv_heads, n_k, head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, kv_heads, n_k, head_dim, generator=gen, dtype=torch.float64)
-    return [t.to(DEVICE, dtype) for t in (q, k, v)]
-
-
-def run(q, k, v, layout, backend, grad_out, grad_lse=None):
-    """out, lse, dq, dk, dv of one backend on copies of q, k, v."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = sparse_attention(q, k, v, layout, backend=backend, return_lse=True)
-    loss = (out.double() * grad_out).sum()
-    if grad_lse is not None:
-        loss = loss + (torch.where(torch.isinf(lse), 0, lse).double() * grad_lse).sum()
-    loss.backward()
-    return out, lse, q.grad, k.grad, v.grad
-
-
-def torch_baseline(q, k, v, layout, grad_out):
-    """The same attention as plain dense torch in q's dtype (the tolerance rule's baseline)."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    mask = layout.to_dense().to(q.device)                                        # (Bl, H, Nq, Nk)
-    scores = (q @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    masked = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(masked, -1).nan_to_num(0.0)
-    out = weights @ vv
-    (out.double() * grad_out).sum().backward()
-    return out, masked.detach().logsumexp(-1), q.grad, k.grad, v.grad
-
-
 def check_against_reference(q, k, v, layout, grad_lse=False):
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(q.shape, generator=gen, dtype=torch.float64).to(DEVICE)
     lse_grad = torch.randn(q.shape[:3], generator=gen, dtype=torch.float64).to(DEVICE) if grad_lse else None
-    got = run(q, k, v, layout, "triton", grad_out, lse_grad)
-    oracle = run(q.double(), k.double(), v.double(), layout, "reference", grad_out, lse_grad)
-    baseline = torch_baseline(q, k, v, layout, grad_out)
+    got = run_backend("triton", q, k, v, layout, grad_out, lse_grad)
+    oracle = run_backend("reference", q.double(), k.double(), v.double(), layout, grad_out, lse_grad)
+    baseline = dense_baseline(q, k, v, layout, grad_out)
     if grad_lse:  # the dense baseline has no lse term: compare the gradients with the reference in q's dtype
-        baseline = baseline[:2] + run(q, k, v, layout, "reference", grad_out, lse_grad)[2:]
+        baseline = baseline[:2] + run_backend("reference", q, k, v, layout, grad_out, lse_grad)[2:]
     assert_matches_oracle(got, oracle, baseline)
-
-
-def assert_matches_oracle(got, oracle, baseline):
-    """(out, lse, dq, dk, dv) of the kernel within the tolerance rule of the float64 reference's (``oracle``),
-    ``baseline`` being torch's in the kernel's dtype; every element is finite where the reference's is.
-    Rows with no allowed key have out and dq exactly 0 and lse -inf; keys no row reads, dk and dv exactly 0."""
-    out, lse, *grads = got
-    ref_out, ref_lse, *ref_grads = oracle
-    base_out, base_lse, *base_grads = baseline
-    floor = FLOORS[out.dtype]
-    assert lse.dtype == torch.float32
-    assert_within_rule("out", out, ref_out, base_out, floor)
-    for name, grad, ref, base in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
-        assert grad.dtype == out.dtype and grad.shape == ref.shape
-        assert_within_rule(name, grad, ref, base, floor)
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "lse: -inf rows differ"
-    finite = torch.isfinite(ref_lse)
-    assert_within_rule("lse", lse[finite], ref_lse[finite], base_lse[finite], floor)
-    dq, dk, dv = grads
-    assert (out[~finite] == 0).all() and (dq[~finite] == 0).all(), "rows with no key: out or dq is not 0"
-    unread = (ref_grads[2] == 0).all(-1)                         # (Bkv, Hkv, Nk): keys no row attends
-    assert (dk[unread] == 0).all() and (dv[unread] == 0).all(), "keys no row reads: dk or dv is not 0"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,12 +88,6 @@ def test_per_example_padding_and_globals():
     check_against_reference(q, k, v, layout)
 
 
-def test_gradient_through_lse():
-    q, k, v = make_qkv(1, 2, 1, 70, 70, 16)
-    check_against_reference(q, k, v, (sa.Local(12) | sa.Global(first=1)).layout(70, heads=2, block_size=16),
-                            grad_lse=True)
-
-
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_precision(dtype):
     q, k, v = make_qkv(1, 2, 2, 100, 100, 32, dtype=dtype)
@@ -160,16 +98,6 @@ def test_half_precision(dtype):
 # ------------------------------------------------------------------------------------------------
 # Long rows and columns cut into pieces (work_split), merged by a second kernel
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def pieces_of(monkeypatch):
-    """Cut every row and column of more than ``blocks`` blocks into pieces (the GPU does so only for rows
-    much longer than the pass's average, too few in the small cases an interpreter affords)."""
-    def cut(blocks):
-        monkeypatch.setattr(work_split, "MIN_PIECE_BLOCKS", blocks)
-        monkeypatch.setattr(triton_gpu, "_programs", lambda device: 1 << 30)
-    return cut
-
-
 @pytest.mark.parametrize("name, blocks", [("longformer-ragged-N", 1), ("per-head", 1), ("nq>nk-causal-empty-rows", 3),
                                          ("gqa", 3), ("block32-d64", 3)])
 def test_pieces_match_reference(name, blocks, pieces_of):
@@ -193,7 +121,7 @@ def test_pieces_with_padding_shared_kv_and_lse_gradient(pieces_of):
                                                          global_mask=global_mask)
     check_against_reference(q, k, v, layout, grad_lse=True)
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=DEVICE)
-    first, second = run(q, k, v, layout, "triton", grad_out), run(q, k, v, layout, "triton", grad_out)
+    first, second = run_backend("triton", q, k, v, layout, grad_out), run_backend("triton", q, k, v, layout, grad_out)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -284,12 +212,12 @@ def test_workload_matches_reference_and_is_deterministic(name, dtype, workload_o
     if name not in workload_oracles:
         workload_oracles.clear()
         inputs, grad_out = workload_inputs(name)
-        workload_oracles[name] = inputs, grad_out, run(*inputs, "reference", grad_out)
+        workload_oracles[name] = inputs, grad_out, run_backend("reference", *inputs, grad_out)
     (q, k, v, layout), grad_out, oracle = workload_oracles[name]
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    got = run(q, k, v, layout, "triton", grad_out)
-    assert_matches_oracle(got, oracle, torch_baseline(q, k, v, layout, grad_out))
-    again = run(q, k, v, layout, "triton", grad_out)              # the backward has no atomics: bitwise equal
+    got = run_backend("triton", q, k, v, layout, grad_out)
+    assert_matches_oracle(got, oracle, dense_baseline(q, k, v, layout, grad_out))
+    again = run_backend("triton", q, k, v, layout, grad_out)              # the backward has no atomics: bitwise equal
     for field, first, second in zip(("out", "lse", "dq", "dk", "dv"), got, again):
         assert torch.equal(first, second), f"{field} differs between two runs"
 
@@ -304,7 +232,7 @@ def test_empty_rows_give_zero_output_minus_inf_lse_and_zero_gradients():
     padding[0, :20] = True                                        # example 0: causal rows < 20 see nothing
     layout = sa.Local(64).layout(64, heads=2, block_size=16, causal=True, key_padding_mask=padding)
     grad_out = torch.ones(q.shape, dtype=torch.float64, device=DEVICE)
-    out, lse, dq, dk, dv = run(q, k, v, layout, "triton", grad_out)
+    out, lse, dq, dk, dv = run_backend("triton", q, k, v, layout, grad_out)
     for t in (out, lse, dq, dk, dv):
         assert not torch.isnan(t).any()
     assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
@@ -321,8 +249,8 @@ def test_non_contiguous_inputs_and_grad_output():
     q_t, k_t, v_t = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     assert not q_t.is_contiguous()
     grad_out = torch.randn(2, 70, 2, 16, dtype=torch.float64, device=DEVICE).transpose(1, 2)
-    expected = run(q, k, v, layout, "triton", grad_out.contiguous())
-    actual = run(q_t, k_t, v_t, layout, "triton", grad_out)       # dout reaches the kernels non-contiguous
+    expected = run_backend("triton", q, k, v, layout, grad_out.contiguous())
+    actual = run_backend("triton", q_t, k_t, v_t, layout, grad_out)       # dout reaches the kernels non-contiguous
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-6)
 
@@ -331,7 +259,7 @@ def test_deterministic():
     q, k, v = make_qkv(1, 4, 2, 96, 96, 16)
     layout = (sa.Local(16) | sa.Global(first=3) | sa.Random(1)).layout(96, heads=4, block_size=16)
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=DEVICE)
-    first, second = run(q, k, v, layout, "triton", grad_out), run(q, k, v, layout, "triton", grad_out)
+    first, second = run_backend("triton", q, k, v, layout, grad_out), run_backend("triton", q, k, v, layout, grad_out)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
