@@ -2,8 +2,10 @@
 refusals, and every implementation's measurement on CPU."""
 import doctest
 import importlib.util
+import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -380,18 +382,19 @@ def sparse_flops(pattern, block):
     ("masked-sdpa", "sliding-causal", 4 * 2 * 2 * 80 * 80 * 16, {"sdpa_backend": "flash_attention"})])  # every pair
 def test_a_point_fills_every_field_on_cpu(monkeypatch, impl, pattern, flops, details):
     """The whole measurement on CPU (triton in its interpreter, flex faked): device, dtype and heads swapped,
-    timers faked (2 ms; peaks 1, 2, 3 MiB)."""
+    timers faked (2 ms, warm-ups 0.5 s; peaks 1, 2, 3 MiB)."""
     calls = []
     monkeypatch.setattr(peers, "compiled_flex", fake_flex(calls))
     for name, value in {"DEVICE": "cpu", "DTYPE": torch.float32, "HEADS": 2,
                         "free_gpu_bytes": lambda: 2**30, "bench_ms": lambda fn, grads=(): (fn(), 2.0)[1],
-                        "peak_mb": lambda fn: (fn(), (1.0, 2.0, 3.0))[1]}.items():
+                        "peak_mb": lambda fn: (fn(), (1.0, 2.0, 3.0))[1],
+                        "time": SimpleNamespace(perf_counter=itertools.count(0.0, 0.5).__next__)}.items():
         monkeypatch.setattr(gk, name, value)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     result = gk.measure(impl, pattern, 16, 2, 80)
     assert "error" not in result, result["error"]
     warmups = [result.pop(key) for key in ("fwd_warmup_s", "fwd_bwd_warmup_s")]
-    assert all(0 < seconds < 60 for seconds in warmups)
+    assert warmups == [0.5, 0.5]                                 # one clock step around each warm-up call
     assert result == row(impl, pattern, 16, 2, 80, density=gk.PATTERNS[pattern][0].layout(80, heads=2).density,
                          fwd_flops=flops, **details, fwd_ms=2.0, fwd_tflops=flops / 2.0 / 1e9, fwd_peak_mb=1.0,
                          fwd_bwd_ms=2.0, fwd_bwd_tflops=3.5 * flops / 2.0 / 1e9, fwd_bwd_peak_mb=1.0,

