@@ -5,23 +5,23 @@ them.
 - reference, float64: equal (to 1e-10) to the oracle of tests/score_mods_oracle.py on the case's token mask, both
   written from DESIGN's formulas and definitions, not from any backend;
 - numba: float64 equal to the reference to 1e-10, float32 within the tolerance rule (tests/tolerance.py);
-- triton: each (shape, call-time data) pair once, the patterns in turn (``PAIRWISE_CASES``: on CPU Triton's
-  interpreter runs the kernels, slowly), float32 without a GPU and every kernel dtype with one, within the
-  tolerance rule; skipped without triton.
+- triton: with a GPU every case in every kernel dtype; without one, Triton's interpreter runs the kernels (seconds
+  a case), so every shape and every call-time data once (``ONE_OF_EACH``) in float32; within the tolerance rule;
+  skipped without triton.
 """
 import importlib.util
 
 import pytest
 import torch
 
-from tests.cases import CASES, PAIRWISE_CASES
+from tests.cases import CASES, ONE_OF_EACH
 from tests.helpers import DEVICE, ON_CUDA, OUTPUTS, assert_matches_oracle, make_qkv, run_backend
 from tests.score_mods_oracle import oracle
 from tests.tolerance import FLOORS
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
-TRITON_DTYPES = list(FLOORS) if ON_CUDA else [torch.float32]
+TRITON_CASES, TRITON_DTYPES = (CASES, list(FLOORS)) if ON_CUDA else (ONE_OF_EACH, [torch.float32])
 
 
 def case_inputs(case, dtype, device="cpu"):
@@ -84,6 +84,6 @@ def test_numba_conforms_to_the_reference(case, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
-@pytest.mark.parametrize("case", PAIRWISE_CASES, ids=str)
+@pytest.mark.parametrize("case", TRITON_CASES, ids=str)
 def test_triton_conforms_to_the_reference(case, dtype):
     assert_conforms("triton", case, dtype, DEVICE)
