@@ -43,7 +43,7 @@ from .checks import check_bool, check_token_mask
 from .held_attention import dense_attention, held_mask
 from .layout import BlockLayout
 from .pattern import check_pattern
-from .positions import allowed_at_positions, check_starts, layout_of_mask
+from .positions import allowed_at_positions, check_starts, layout_of_mask, over_held_keys
 from .retention import retention
 from .rules import Context, resolve
 from .score_mods import add_sink, alibi_alignment, check_mods, combine_partials
@@ -168,7 +168,7 @@ class SparseKVCache:
         self._values.select(2, slot).copy_(v.select(2, 0))
         self._slot_positions[slot] = self._seen
         self._ring_head = (self._ring_head + 1) % (len(self._slot_positions) - len(self._fixed))
-        self._new = np.array([self._seen], dtype=np.int64)
+        self._new = np.arange(self._seen, self._seen + 1, dtype=np.int64)
         self._seen += 1
         return self._keys, self._values, torch.from_numpy(self._slot_positions.copy())
 
@@ -418,6 +418,11 @@ class SparseKVCache:
         if backend == "numba" and n_q <= _DENSE_ROWS:
             return self._attend_dense(q, keys, values, held_positions, scale, return_lse, key_padding_mask, mods, sinks)
         block_size = backends.load(backend).BLOCK_SIZE
+        if n_q > _DENSE_ROWS and key_padding_mask is None and self._starts is None and mods.alibi_slopes is None:
+            chunk = self._attend_chunk(q, keys, values, held_positions, block_size, scale=scale, softcap=softcap)
+            if chunk is not None:
+                out, lse = chunk if sinks is None else add_sink(*chunk, sinks)
+                return (out, lse) if return_lse else out
         context = Context(n_q, self._seen, 0)
         step = max(1, _MASK_PAIRS // n_held)
         parts = []
@@ -437,6 +442,24 @@ class SparseKVCache:
         if sinks is not None:
             out, lse = add_sink(out, lse, sinks)
         return (out, lse) if return_lse else out
+
+    def _attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
+                      block_size: int, **options) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out, lse) of a chunk of new queries over the held keys, with no token mask: the pattern's own layout
+        for the chunk over the whole past, its key blocks that are used gathered from the held keys
+        (:func:`~sparse_attn.positions.over_held_keys`): work in the layout's blocks, not rows x held keys.
+        None where that layout cannot be run so (its keys fit in less than a tile)."""
+        layout = self.pattern.layout(q.shape[2], self._seen, heads=q.shape[1], block_size=block_size)
+        held = over_held_keys(layout, positions)
+        if held is None:
+            return None
+        compact, slots, index = held
+        slots, index = slots.to(keys.device), index.to(keys.device)
+        batch, kv_heads, _, dim = keys.shape
+        compact_keys, compact_values = (t.new_zeros(batch, kv_heads, compact.n_k, dim).index_copy_(
+            2, slots, t.index_select(2, index)) for t in (keys, values))                # (B, Hkv, compact n_k, D)
+        return sparse_attention(q, compact_keys, compact_values, compact.to(q.device), backend=self.backend,
+                                return_lse=True, **options)
 
     def _attend_dense(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
                       scale, return_lse: bool, key_padding_mask, mods, sinks):

@@ -1,6 +1,7 @@
 """A pattern compiled at chosen positions of a sequence: the token mask and the layout of queries and keys
 at any positions (a cache's new queries over its held keys, a left-padded batch whose positions count from each
-example's start). Built from the token mask, in time and memory O(rows x keys).
+example's start). Built from the token mask, in time and memory O(rows x keys); and, without a mask, a
+compiled layout run over only the keys a cache holds (:func:`over_held_keys`, a chunked prefill).
 
 >>> import sparse_attn as sa
 >>> allowed_at_positions(sa.Local(1), Context(2, 10, 0), np.array([8, 9]), np.array([0, 8, 9])).astype(int).tolist()
@@ -104,3 +105,64 @@ def layout_of_mask(mask: np.ndarray, heads: int, block_size: int, pattern) -> Bl
     return assemble_layout(pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size, causal=False,
                            shape=mask.shape[:2], blocks_per_side=(n_qb, n_kb), group=g, rows=r, cols=c,
                            full=full[g, r, c], part_tile=tile_of, masks=masks)
+
+
+def over_held_keys(layout: BlockLayout,
+                   key_positions: np.ndarray) -> tuple[BlockLayout, torch.Tensor, torch.Tensor] | None:
+    """``layout`` (queries over the keys at positions 0 .. n_k - 1) run over only the keys a cache holds, at
+    ``key_positions`` (n_held,), in the time of the layout's blocks: no token mask. Returns the layout with the
+    key blocks it uses, renumbered in order, and ``(slots, held)``: compact key slot ``slots[m]`` takes held key
+    ``held[m]`` (a position not held leaves its slot zero: no allowed pair reads it). None when the key blocks
+    used are fewer than a tile is wide (one cut block: run the token mask instead).
+
+    >>> import sparse_attn as sa
+    >>> full = (sa.Local(3, 0) | sa.Sink(first=1)).layout(4, 40, block_size=8)   # 4 new queries, 40 keys
+    >>> held = np.array([0, *range(33, 40)])                                      # a sink and the window
+    >>> compact, slots, held_index = over_held_keys(full, held)
+    >>> compact.n_k, slots.tolist(), held_index.tolist()                          # key blocks 0, 4 of 5
+    (16, [0, 9, 10, 11, 12, 13, 14, 15], [0, 1, 2, 3, 4, 5, 6, 7])
+
+    Raises a RuntimeError if an allowed pair needs a key that is not held (a cache that dropped too much).
+    """
+    bs, index = layout.block_size, layout.index
+    used = np.union1d(index.full_idx.cpu().numpy(), index.part_idx.cpu().numpy())    # key blocks some pair reads
+    tile_width = index.masks.shape[2]
+    n_k = 0 if len(used) == 0 else (len(used) - 1) * bs + min(bs, layout.n_k - int(used[-1]) * bs)
+    if n_k < tile_width or n_k <= 0:
+        return None
+    renumber = np.full(ceil_div(layout.n_k, bs), -1, dtype=np.int64)
+    renumber[used] = np.arange(len(used))
+    blocks = renumber[key_positions // bs]
+    held = np.flatnonzero(blocks >= 0)                                               # held keys in used blocks
+    slots = blocks[held] * bs + key_positions[held] % bs
+    _check_held(layout, renumber, slots, len(used))
+    ptr = {name: _kept_columns(getattr(index, name), used) for name in ("full_t_ptr", "part_t_ptr")}
+    compact = BlockLayout.trusted(
+        pattern=layout.pattern, n_q=layout.n_q, n_k=n_k, heads=layout.heads, block_size=bs, causal=layout.causal,
+        **(index._asdict() | ptr | {name: torch.from_numpy(renumber[getattr(index, name).cpu().numpy()]).to(
+            torch.int32) for name in ("full_idx", "part_idx")}))
+    return compact, torch.from_numpy(slots), torch.from_numpy(held)
+
+
+def _kept_columns(ptr: torch.Tensor, used: np.ndarray) -> torch.Tensor:
+    """A transposed row pointer (Bl, Hl, n_kb + 1) with only the key blocks ``used`` (the others are empty)."""
+    values = ptr.cpu().numpy()
+    return torch.from_numpy(np.concatenate([values[..., used], values[..., -1:]], axis=-1))
+
+
+def _check_held(layout: BlockLayout, renumber: np.ndarray, slots: np.ndarray, n_used: int) -> None:
+    """Every key an allowed pair reads is held: full blocks wholly (up to the sequence's end), partial blocks
+    in every column a tile allows."""
+    bs, index = layout.block_size, layout.index
+    in_slot = np.zeros(n_used * bs, dtype=bool)
+    in_slot[slots] = True
+    held = in_slot.reshape(n_used, bs)                                               # (used blocks, bs)
+    last_width = layout.n_k - (np.flatnonzero(renumber >= 0)[-1] * bs)
+    held[-1, last_width:] = True                                                     # past the end: no key
+    full = renumber[index.full_idx.cpu().numpy()]
+    read = np.asarray(index.masks.cpu().numpy().any(1))                              # (n_masks, tk) columns read
+    tiles = read[index.part_mask.cpu().numpy()]                                       # (n_part, tk)
+    part = held[renumber[index.part_idx.cpu().numpy()], :tiles.shape[1]]
+    if not held[full].all() or (tiles & ~part).any():
+        raise RuntimeError("a layout over held keys reads a key the cache no longer holds: the pattern's "
+                           "retention dropped too much (please report this with the pattern)")

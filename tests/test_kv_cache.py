@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import sparse_attn as sa
 from sparse_attn.kv_cache import SparseKVCache, left_padded_attention
 from sparse_attn.layout import BlockLayout
-from sparse_attn.positions import layout_at_positions
+from sparse_attn.positions import layout_at_positions, over_held_keys
 from sparse_attn.rules import Context
 from tests.strategies import patterns
 from tests.tolerance import FLOORS, assert_within_rule
@@ -402,3 +402,44 @@ def test_a_left_padded_batch_with_modifiers_on_numba_equals_the_reference_cache(
         torch.testing.assert_close(lse, want_lse, atol=1e-10, rtol=1e-8)
         start += size
     assert len(caches[0].positions) < n
+
+
+# A chunked prefill (issue 24): a chunk of more than 64 queries over held keys runs the pattern's own layout,
+# its used key blocks gathered from the held keys, with no token mask.
+CHUNKS = [70, 90, 130, 65]
+
+
+def _no_token_mask(*args, **kwargs):
+    raise AssertionError("a token mask was built for a chunk")
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+@pytest.mark.parametrize("pattern", [sa.Local(40, 0) | sa.Sink(first=3), (sa.Local(30, 0) | sa.Sink(first=2)) & sa.Causal(),
+                                     sa.Dilated(20, 2) | sa.Global(tokens=(100,)), sa.Local(5, 0, block_size=7),
+                                     sa.PerHead([sa.Local(9, 0), sa.Local(50, 0) | sa.Sink(first=1), sa.Local(3, 2),
+                                                 sa.Sink(first=4) | sa.Local(20, 0)])], ids=repr)
+def test_a_chunked_prefill_runs_without_a_token_mask(pattern, backend, monkeypatch):
+    monkeypatch.setattr("sparse_attn.kv_cache.allowed_at_positions", _no_token_mask)
+    out, oracle, _, cache = generation(pattern, CHUNKS, backend=backend)
+    assert (out - oracle).abs().max().item() <= 1e-12
+    assert len(cache.positions) < cache.seq_len                             # the last chunks ran over held keys
+
+
+def test_a_chunk_with_softcap_and_sinks_equals_the_full_past():
+    pattern, g = sa.Local(40, 0) | sa.Sink(first=3), torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 300, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    cache = SparseKVCache(pattern, backend="reference")
+    for new in (slice(0, 100), slice(100, 200), slice(200, 300)):
+        out, lse = cache.attend(q[:, :, new], k[:, :, new], v[:, :, new], softcap=2.0, sinks=sinks, return_lse=True)
+    expected = sa.sparse_attention(q[:, :, 200:], k, v, pattern, softcap=2.0, sinks=sinks, return_lse=True,
+                                   backend="reference")
+    assert len(cache.positions) < 300
+    for actual, wanted in zip((out, lse), expected):
+        assert (actual - wanted).abs().max().item() <= 1e-12
+
+
+def test_a_layout_over_held_keys_refuses_a_dropped_key():
+    layout = (sa.Local(3, 0) | sa.Sink(first=1)).layout(4, 40, block_size=8)
+    with pytest.raises(RuntimeError, match="reads a key the cache no longer holds"):
+        over_held_keys(layout, np.array([0, *range(34, 40)]))              # 33 is in query 36's window
