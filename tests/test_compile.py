@@ -143,6 +143,7 @@ def training_step(fn, model, ids) -> list:
     return [out.logits, out.loss] + [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.slow  # compiles a model
 def test_hugging_face_llama_trains_compiled():
     """torch.compile(model) on the sparse route, one training step's loss and gradients against eager."""
     model, ids = tiny_llama()
@@ -169,6 +170,7 @@ def test_triton_backend_with_a_layout_built_on_the_host():
     assert graphs.frame_count == 1
 
 
+@pytest.mark.slow  # compiles a model
 def test_hugging_face_llama_compiles_whole_with_fullgraph():
     """torch.compile(model, fullgraph=True) on the sparse route with no padding mask: one graph, forward and backward
     against eager (issue 23, item 9: packed_documents read the positions' values, a graph break). A packed batch

@@ -383,7 +383,7 @@ def spawn(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict:
-    """The outcomes of every check (one spawn per module)."""
+    """The outcomes of every check (one spawn per module: minutes, so the tests that take it are marked slow)."""
     return spawn(tmp_path_factory.mktemp("ranks"))
 
 
@@ -393,44 +393,52 @@ def assert_every_rank_passed(outcomes: dict, world: int, check: str) -> None:
 
 
 # --- distributed: one test per (world, case) ------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("world, name", [(w, name) for name, case in CASES.items() for w in WORLDS
                                          if w in case.shards])
 def test_shards_equal_single_process(ranks, world, name):
     assert_every_rank_passed(ranks, world, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_second_call_gives_the_same_bits(ranks, world):
     assert_every_rank_passed(ranks, world, "repeatable")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_with_different_patterns_all_raise(ranks, world):
     assert_every_rank_passed(ranks, world, "different-patterns")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", ["alone", "union", "complement", "per-head"])
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_with_blocks_grids_that_print_alike_all_raise(ranks, world, wrapped):
     assert_every_rank_passed(ranks, world, f"blocks-grids-{wrapped}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_that_differ_in_requires_grad_all_raise(ranks, world):
     assert_every_rank_passed(ranks, world, "different-requires-grad")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
 def test_document_ids_of_another_integer_dtype_agree(ranks, world):
     assert_every_rank_passed(ranks, world, "documents-of-another-dtype")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", list(INVALID_ON_RANK_1))
 @pytest.mark.parametrize("world", WORLDS)
 def test_an_invalid_call_on_one_rank_raises_on_every_rank(ranks, world, what):
     assert_every_rank_passed(ranks, world, f"invalid-{what}-on-rank-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("whose", ["every", "rank-1"])
 @pytest.mark.parametrize("name", ["key_padding_mask", "global_mask", "documents"])
 @pytest.mark.parametrize("world", WORLDS)

@@ -373,6 +373,7 @@ def sparse_flops(pattern, block):
     return 2 * gk.PATTERNS[pattern][0].layout(80, heads=2, block_size=block).flops(16)          # B=2
 
 
+@pytest.mark.slow  # Triton's interpreter at N = 80
 @pytest.mark.parametrize("impl, pattern, flops, details", [
     pytest.param("triton", "longformer", sparse_flops("longformer", 64), {}, marks=needs_triton),
     pytest.param("triton-128", "sliding-causal", sparse_flops("sliding-causal", 128), {}, marks=needs_triton),

@@ -115,6 +115,7 @@ def _generate(model, ids, mask, cache, tokens=40):
     return out.sequences, torch.stack(out.scores, 1)                  # (B, N + tokens), (B, tokens, V)
 
 
+@pytest.mark.slow  # generation
 def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
     """Llama-style GQA, a batch with left padding, sinks + a window far shorter than the generation."""
     model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
@@ -130,6 +131,7 @@ def test_generation_with_sparse_cache_equals_a_full_dynamic_cache():
     assert cache.get_seq_length() == 12 + 40 - 1
 
 
+@pytest.mark.slow  # generation
 def test_memory_stays_bounded():
     model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
     ids, mask = _batch(n=12)
@@ -141,6 +143,7 @@ def test_memory_stays_bounded():
     assert sizes[0] == sizes[1] > 0
 
 
+@pytest.mark.slow  # generation
 @pytest.mark.filterwarnings("ignore:SparseKVCache keeps every key of Dense")              # Qwen2's full layers
 @pytest.mark.parametrize("config", _sliding_configs(), ids=["qwen2-layer-types", "mistral"])
 def test_each_layer_evicts_by_its_own_pattern(config):
@@ -207,6 +210,7 @@ def test_a_cache_call_that_raises_changes_nothing():
         assert state() == before
 
 
+@pytest.mark.slow  # generation
 def test_held_keys_are_forgotten_with_their_model_and_cache():
     """The positions of the keys a SparseCache layer returns live on those keys, not in a table of the integration:
     once a model and its cache are gone nothing of them stays, and the next model's caches start from nothing."""

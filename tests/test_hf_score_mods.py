@@ -68,6 +68,7 @@ def _batch(n=16):
     return ids, mask
 
 
+@pytest.mark.slow  # numba compiles its softcap kernels
 @pytest.mark.parametrize("model", MODELS)
 def test_logits_and_gradients_equal_eager(model):
     """Soft-capped (Gemma 2) and sink (gpt-oss) attention, sliding and full layers, a left-padded batch: the
