@@ -28,6 +28,8 @@ PATTERNS = {
 
 
 class Shape(NamedTuple):
+    """q (batch, q_heads, n_q, head_dim); k, v (kv_batch, kv_heads, n_k, head_dim); the layout's block_size."""
+
     batch: int
     q_heads: int                  # 4 everywhere: the per-head pattern has 4 patterns
     kv_heads: int
@@ -51,6 +53,8 @@ SQUARE_ONLY = {"global_mask", "documents"}                 # global tokens are r
 
 @dataclass(frozen=True)
 class Case:
+    """One cell of the matrix: a pattern, a shape and a call-time data, named by keys of PATTERNS, SHAPES, DATA."""
+
     pattern_name: str
     shape_name: str
     data: str                     # one of DATA: the call-time argument this case passes
@@ -110,11 +114,13 @@ ONE_OF_EACH = [Case(pattern, shape, data) for pattern, (shape, data) in zip(
     itertools.cycle(PATTERNS), [("gqa", "global_mask"), ("kv-broadcast", "documents"), ("nq<nk", "causal"),
                                 ("nq>nk", "key_padding_mask"), ("short", "none")])]
 
+
 # --- the score modifier cases (tests/test_score_mods.py, tests/test_score_mods_numba.py) ----------------
 DOUBLE = torch.float64
 
 
 def make(shape, seed, grad=True):
+    """A float64 tensor of ``shape`` drawn from ``seed``, requiring grad unless ``grad`` is False."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=gen, dtype=DOUBLE).requires_grad_(grad)
 

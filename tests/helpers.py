@@ -104,6 +104,7 @@ NUMBA_IDS = [case[0] for case in NUMBA_CASES]
 
 
 def case_inputs(case, dtype, seed=0):
+    """Leaf q, k, v (drawn in float64, cast to ``dtype``) and the layout of a NUMBA_CASES entry."""
     _, pattern, batch, hq, hkv, n_q, n_k, dim, bs, causal, padded, n_global = case
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, hq, n_q, dim, generator=gen, dtype=torch.float64)    # (B, Hq, Nq, D)
