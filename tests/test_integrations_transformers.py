@@ -111,6 +111,7 @@ def test_config_pattern_overrides_the_registered_one():
     assert sa.Pattern.from_dict(saved["sparse_attn_pattern"]) == sa.Local(2)
 
 
+@pytest.mark.slow
 def test_training_step_encoder():
     torch.manual_seed(0)
     config = tiny_config("bert", num_labels=2, attention_probs_dropout_prob=0.1)
@@ -311,6 +312,7 @@ def test_an_unregistered_sparse_attn_name_points_at_register():
         AutoModel.from_config(tiny_config("bert"), attn_implementation="eagre")            # transformers' own error
 
 
+@pytest.mark.slow  # a fresh Python process imports transformers
 def test_a_fresh_process_that_imports_the_integration_but_never_registers(tmp_path):
     """register() forgotten: the error points at it; a saved sparse model still loads as one."""
     model = to_long_model(AutoModel.from_config(tiny_config("bert", max_position_embeddings=64)), 128, sa.Local(4))

@@ -171,6 +171,7 @@ def test_empty_batch_or_sequence_gives_an_empty_output(batch_first):
         assert out.shape == x.shape
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager():
     torch.manual_seed(0)
     layer = SparseSelfAttention(E, H, sa.Local(4) | sa.Global(first=1), global_projections=True, backend=BACKEND)

@@ -176,6 +176,7 @@ def outcomes(tmp_path_factory) -> dict:
     return result
 
 
+@pytest.mark.slow  # one spawn of gloo ranks runs every case
 @pytest.mark.parametrize("name", list(CASES))
 def test_shards_equal_the_oracle(outcomes, name):
     failures = [f"rank {r}:\n{error}" for r, error in enumerate(outcomes[name]) if error is not None]

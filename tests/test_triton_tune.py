@@ -304,6 +304,7 @@ class LaunchSpy:
         return launch
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs CPU tensors; on CUDA run the script")
 def test_a_real_sweep_in_the_interpreter_launches_each_setting_and_checks_its_results(monkeypatch, table):
     forward = LaunchSpy(triton_gpu._fwd_kernel, output=3, corrupt_warps=8)       # Out: the kernel's 4th argument
