@@ -2,18 +2,29 @@
 
     NUMBA_CACHE_DIR=/tmp/numba-cold python benchmarks/numba_compile.py      # cold: compiles and fills the cache
     NUMBA_CACHE_DIR=/tmp/numba-cold python benchmarks/numba_compile.py      # warm: the next process loads it
+    NUMBA_CACHE_DIR=/tmp/numba-cold2 python benchmarks/numba_compile.py --out run.json   # also writes the record
 
 A float32 forward, its backward, then a bfloat16 forward (B=1, H=2, N=256, D=64, ``Local(32) | Global(first=4)``),
 each timed once on the wall clock; prints one line of seconds. Point ``NUMBA_CACHE_DIR`` at an empty folder for a
-cold run: the package's own cache would otherwise be warm already.
+cold run: the package's own cache would otherwise be warm already. ``--out`` writes the seconds with the CPU, the
+load average before and after, the cache folder and the Numba version as JSON.
 """
+import argparse
+import json
+import os
 import time
 
+import numba
 import torch
 
 import sparse_attn as sa
 from sparse_attn import machine
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--out", help="a JSON file to write the record to")
+args = parser.parse_args()
+
+load_before = machine.load_average()
 q, k, v = (torch.randn(1, 2, 256, 64, requires_grad=True) for _ in range(3))       # (B, H, N, D)
 layout = (sa.Local(32) | sa.Global(first=4)).layout(256, heads=2)
 seconds = {}
@@ -27,4 +38,10 @@ start = time.perf_counter()
 sa.sparse_attention(*(t.detach().bfloat16() for t in (q, k, v)), layout, backend="numba")
 seconds["bf16 forward"] = time.perf_counter() - start
 print(", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
-      + f" ({machine.cpu_model()}, load {machine.load_average()[0]:.2f})")
+      + f" ({machine.cpu_model()}, load {load_before[0]:.2f})")
+if args.out:
+    record = {"seconds": {name: round(s, 2) for name, s in seconds.items()}, "cpu": machine.cpu_model(),
+              "load_average_before": load_before, "load_average_after": machine.load_average(),
+              "numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "numba": numba.__version__}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)

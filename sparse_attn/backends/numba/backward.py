@@ -17,7 +17,7 @@ from numba import njit, prange
 from .bf16 import add_grads, grad_operands, head_backward, release_tiles, scores_t, to_float
 from .bundles import BackwardScratch, Incoming, KeyBlock, query_examples, segment
 from .exact import exact_dk_dv
-from .lowlevel import FASTMATH, exp2
+from .lowlevel import FASTMATH, copy_into, exp2
 from .mods import chain_softcap, head_modifiers, modify_t
 from .near_max import exact_near_max_t
 from .panels import (
@@ -58,7 +58,10 @@ def backward_kernel(qkv, ops, result, incoming, maxima, columns, config, schedul
     queries) from maxima_by_key_block; columns: the transposed BlockIndex; grads: the Gradients to write."""
     worker_ptr, tasks = schedule
     for w in prange(worker_ptr.size - 1):                # prange bodies only call: see bundles
-        _backward_worker(tasks[worker_ptr[w]:worker_ptr[w + 1]], w, grads.dq if w == 0 else grads.dq_parts[w - 1],
+        # w is int64 when Numba types this function and uint64 in the parallel loop it builds: np.int64(w) makes
+        # both the same signature, so the worker compiles once instead of twice (one of them never runs)
+        _backward_worker(tasks[worker_ptr[w]:worker_ptr[w + 1]], np.int64(w),
+                         grads.dq if w == 0 else grads.dq_parts[w - 1],
                          qkv, ops, result, incoming, maxima, columns, config, grads)
 
 
@@ -97,7 +100,9 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
             continue
         for j in range(j0, j0 + key_block.k.shape[0]):
             if not (all_finite(grads.dk[e, g, j:j + 1]) and all_finite(grads.dv[e, g, j:j + 1])):
-                grads.dk[e, g, j], grads.dv[e, g, j] = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
+                dk_j, dv_j = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
+                copy_into(grads.dk[e, g, j], dk_j)
+                copy_into(grads.dv[e, g, j], dv_j)
     release_tiles(ops)
 
 
@@ -128,12 +133,12 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             q0, q1 = i0 + lo, i0 + hi                                            # S.T with the forward's alpha
             scores_t(ops, config.base2_scale, key_block, q, incoming.dout, q0, q1, st[:, off + lo:off + hi],
                      dpt[:, off + lo:off + hi])
-            modify_t(head, st[:, off + lo:off + hi], key_block.start, q0, dcap[:, off + lo:off + hi])
+            modify_t(head, st, off + lo, off + hi, key_block.start, q0, dcap)
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0
-            scratch.row_max[off:off + n] = result.row_max[i0:i0 + n]
-            scratch.log2_sum[off:off + n] = result.log2_sum[i0:i0 + n]
-            scratch.delta[off:off + n] = incoming.delta[i0:i0 + n]
+            copy_into(scratch.row_max[off:off + n], result.row_max[i0:i0 + n])
+            copy_into(scratch.log2_sum[off:off + n], result.log2_sum[i0:i0 + n])
+            copy_into(scratch.delta[off:off + n], incoming.delta[i0:i0 + n])
             t = end
         mask_panel(st, panel.tiles, count, block_size, columns.masks, True)
         exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch, head,

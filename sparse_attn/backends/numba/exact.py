@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from .bf16 import to_float
 from .bundles import kv_example, query_examples, segment
-from .lowlevel import like
+from .lowlevel import copy_into, like
 from .mods import exact_modified, exact_softcap_grad, head_modifiers, modified, position
 
 
@@ -52,7 +52,7 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i, head):
         w = np.exp(exact_modified(head, _score(q_i, k[j], scale), query - j) - shift) / norm
         for d in range(out_i.size):
             acc[d] += w * to_float(v[j, d])
-    out_i[:] = acc
+    copy_into(out_i, acc)
     if total == 0:
         return -np.inf, np.inf, 0.0, -1
     lse = shift + np.log(total)
@@ -103,7 +103,7 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
         _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
         for d in range(dim):
             acc[d] += ds * to_float(k[kv_example(b, k.shape[0]), g, j, d])
-    dq[b, h, i] = config.scale * acc
+    copy_into(dq[b, h, i], config.scale * acc)
 
 
 @njit(cache=True, fastmath=False)

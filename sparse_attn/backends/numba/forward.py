@@ -43,8 +43,8 @@ def forward_kernel(qkv, ops, index, config, order, n_workers, result):
     workers. qkv: q (B, Hq, Nq, D), k, v (B or 1, Hkv, Nk, D); ops: their bf16 ForwardOperands for bf16
     matmuls, or None; index: the row BlockIndex; result: the ForwardResult (B, Hq, Nq, ...) to write."""
     counter = np.zeros(1, np.int64)
-    for w in prange(n_workers):
-        _forward_worker(counter, w, qkv, ops, index, config, order, result)  # prange bodies only call: see bundles
+    for w in prange(n_workers):      # prange bodies only call (see bundles); w as int64: see backward_kernel
+        _forward_worker(counter, np.int64(w), qkv, ops, index, config, order, result)
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -94,7 +94,7 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, hea
             lo, hi = run_span(t, end, n, panel.tiles, index.spans)              # the mask sets the rest
             off = t * block_size
             scores(ops, config.base2_scale, q, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
-            modify(head, s[:, off + lo:off + hi], j0 + lo)
+            modify(head, s, off + lo, off + hi, j0 + lo)
             t = end
         mask_panel(s, panel.tiles, count, block_size, index.masks, False)
         _online_softmax(s, m, l, acc, scratch, panel.blocks, block_size, result.argmax, q, k, config, head)

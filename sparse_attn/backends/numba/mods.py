@@ -7,7 +7,7 @@ derivative for the backward, and the same formulas on single scores for the exac
 >>> from sparse_attn.backends.numba.bundles import Config
 >>> @njit
 ... def modified_panel(config, s):                 # rows 0.. of query head 0 of example 0, keys 0..
-...     modify(head_modifiers(config, 0, 0, 0), s, 0)
+...     modify(head_modifiers(config, 0, 0, 0), s, 0, s.shape[1], 0)
 >>> mods = call_modifiers(50.0, torch.tensor([[0.5]]), torch.float64, n_q=2, n_k=3)   # rows at positions 1, 2
 >>> config = Config(64, 16, np.float64(1.0), np.float64(np.log2(np.e)), *mods)
 >>> s = np.array([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])                  # base 2: log2(e) (scale q . k)
@@ -124,41 +124,44 @@ def _has_softcap(head_type) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Panels of the fast path
 # ------------------------------------------------------------------------------------------------
-def modify(head, s, key0):
-    """Forward: the modifiers on s (rows, n) base-2 scores, in place: row r of the head's query array
-    (at key position head.first + r) against key key0 + c. No-op for head None."""
+def modify(head, s, c0, c1, key0):
+    """Forward: the modifiers on columns [c0, c1) of s (rows, W) base-2 scores, in place: row r of the
+    head's query array (at key position head.first + r) against key key0 + (c - c0). No-op for head None.
+    (Column bounds rather than a column slice of the panel: a slice of a C-contiguous row keeps unit stride,
+    so the loop over it vectorises.)"""
 
 
 @overload(modify, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modify(head, s, key0):
+def _modify(head, s, c0, c1, key0):
     if isinstance(head, types.NoneType):
-        return lambda head, s, key0: None
+        return lambda head, s, c0, c1, key0: None
 
-    def impl(head, s, key0):
-        rows, cols = s.shape
-        for r in range(rows):
-            offset = head.first + r - key0                   # distance to column c: |offset - c|
-            for c in range(cols):
-                s[r, c] = modified(head, s[r, c], offset - c)
+    def impl(head, s, c0, c1, key0):
+        for r in range(s.shape[0]):
+            row = s[r, c0:c1]
+            offset = head.first + r - key0                   # distance to row[c]: |offset - c|
+            for c in range(row.size):
+                row[c] = modified(head, row[c], offset - c)
     return impl
 
 
-def modify_t(head, st, key0, query0, dcap):
-    """Backward: the modifiers on st (cols, n) = S.T, in place: key key0 + r against row query0 + c of the
-    head's query array; with softcap, dcap (cols, n) gets the softcap's derivative 1 - tanh^2 there."""
+def modify_t(head, st, c0, c1, key0, query0, dcap):
+    """Backward: the modifiers on columns [c0, c1) of st (cols, W) = S.T, in place: key key0 + r against
+    row query0 + (c - c0) of the head's query array; with softcap, dcap (cols, W) gets the softcap's
+    derivative 1 - tanh^2 there (column bounds: as modify)."""
 
 
 @overload(modify_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modify_t(head, st, key0, query0, dcap):
+def _modify_t(head, st, c0, c1, key0, query0, dcap):
     if isinstance(head, types.NoneType):
-        return lambda head, st, key0, query0, dcap: None
+        return lambda head, st, c0, c1, key0, query0, dcap: None
 
-    def impl(head, st, key0, query0, dcap):
-        cols, n = st.shape
-        for r in range(cols):
-            offset = head.first + query0 - key0 - r           # distance to column c: |offset + c|
-            for c in range(n):
-                st[r, c] = _modified_t(head.softcap, head.slope, st[r, c], offset + c, dcap, r, c)
+    def impl(head, st, c0, c1, key0, query0, dcap):
+        for r in range(st.shape[0]):
+            row, row_dcap = st[r, c0:c1], dcap[r, c0:c1]
+            offset = head.first + query0 - key0 - r           # distance to row[c]: |offset + c|
+            for c in range(row.size):
+                row[c] = _modified_t(head.softcap, head.slope, row[c], offset + c, row_dcap, c)
     return impl
 
 
@@ -185,18 +188,18 @@ def _position(head, row):
     return lambda head, row: head.first + row
 
 
-def _modified_t(softcap, slope, x, distance, dcap, r, c):
-    """modified(), writing dcap[r, c] = 1 - tanh^2 with softcap."""
+def _modified_t(softcap, slope, x, distance, dcap, c):
+    """modified(), writing dcap[c] = 1 - tanh^2 with softcap."""
 
 
 @overload(_modified_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modified_t_impl(softcap, slope, x, distance, dcap, r, c):
+def _modified_t_impl(softcap, slope, x, distance, dcap, c):
     if isinstance(softcap, types.NoneType):
-        return lambda softcap, slope, x, distance, dcap, r, c: _alibi(slope, x, distance)
+        return lambda softcap, slope, x, distance, dcap, c: _alibi(slope, x, distance)
 
-    def impl(softcap, slope, x, distance, dcap, r, c):
+    def impl(softcap, slope, x, distance, dcap, c):
         t = tanh(x * softcap[1])
-        dcap[r, c] = 1 - t * t
+        dcap[c] = 1 - t * t
         return _alibi(slope, softcap[2] * t, distance)
     return impl
 
@@ -220,7 +223,7 @@ def _alibi(slope, x, distance):
 def _alibi_impl(slope, x, distance):
     if isinstance(slope, types.NoneType):
         return lambda slope, x, distance: x
-    return lambda slope, x, distance: x - slope[1] * like(x, abs(distance))
+    return lambda slope, x, distance: x - slope[1] * like(x, abs(np.int32(distance)))  # int32: AVX2 converts it
 
 
 def chain_softcap(head, ds, dcap):
