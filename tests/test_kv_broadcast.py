@@ -140,6 +140,7 @@ def test_numba_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_numba_ops_opcheck_and_gradcheck():
     """The custom ops' fake (shape) implementations and autograd agree with the kernels on batch-1 k, v."""
     from sparse_attn.backends.numba import backend as numba_backend

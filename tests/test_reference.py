@@ -105,6 +105,7 @@ def test_non_contiguous_inputs():
     assert_same_values_and_grads(qt, k, v, sa.Local(3), sa.Local(3).mask(50, heads=4)[None])
 
 
+@pytest.mark.slow
 def test_gradcheck():
     q, k, v = qkv(batch=1, q_heads=2, kv_heads=1, n_q=9, n_k=11, dim=4)
     pattern = sa.Local(2) | sa.Global(first=1)

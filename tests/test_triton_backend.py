@@ -108,6 +108,7 @@ def test_pieces_match_reference(name, blocks, pieces_of):
     check_against_reference(q, k, v, layout)
 
 
+@pytest.mark.slow
 def test_pieces_with_padding_shared_kv_and_lse_gradient(pieces_of):
     """Per-example layouts (padding, globals), one k, v for both examples and a gradient through lse, with
     pieces; two runs bitwise equal (pieces merge in a fixed order)."""
@@ -304,6 +305,7 @@ def test_torch_compile_through_sparse_attention():
 # ------------------------------------------------------------------------------------------------
 # GPU code generation without a GPU
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # compiles every kernel for sm_90 in a subprocess
 @pytest.mark.skipif(ON_CUDA, reason="on CUDA the value tests compile and run the kernels")
 @pytest.mark.parametrize("flags", [["--head-dim", "64", "128", "--dtype", "bf16"],
                                    ["--head-dim", "24", "--dtype", "fp16", "fp32", "--ragged"]])
