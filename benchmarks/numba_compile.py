@@ -5,9 +5,10 @@
     NUMBA_CACHE_DIR=/tmp/numba-cold2 python benchmarks/numba_compile.py --out run.json   # also writes the record
 
 A float32 forward, its backward, then a bfloat16 forward (B=1, H=2, N=256, D=64, ``Local(32) | Global(first=4)``),
-each timed once on the wall clock; prints one line of seconds. Point ``NUMBA_CACHE_DIR`` at an empty folder for a
-cold run: the package's own cache would otherwise be warm already. ``--out`` writes the seconds with the CPU, the
-load average before and after, the cache folder and the Numba version as JSON.
+each timed once on the wall clock and in this process's CPU time (Numba compiles on one thread, so on a shared
+machine the CPU time says more than the wall clock); prints one line of seconds. Point ``NUMBA_CACHE_DIR`` at an
+empty folder for a cold run: the package's own cache would otherwise be warm already. ``--out`` writes the seconds
+with the CPU, the load average before and after, the cache folder and the Numba version as JSON.
 """
 import argparse
 import json
@@ -27,20 +28,25 @@ args = parser.parse_args()
 load_before = machine.load_average()
 q, k, v = (torch.randn(1, 2, 256, 64, requires_grad=True) for _ in range(3))       # (B, H, N, D)
 layout = (sa.Local(32) | sa.Global(first=4)).layout(256, heads=2)
-seconds = {}
-start = time.perf_counter()
-out = sa.sparse_attention(q, k, v, layout, backend="numba")
-seconds["forward"] = time.perf_counter() - start
-start = time.perf_counter()
-out.sum().backward()
-seconds["backward"] = time.perf_counter() - start
-start = time.perf_counter()
-sa.sparse_attention(*(t.detach().bfloat16() for t in (q, k, v)), layout, backend="numba")
-seconds["bf16 forward"] = time.perf_counter() - start
-print(", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+seconds, cpu_seconds = {}, {}
+
+
+def timed(name, call):
+    """Runs call(); its wall-clock and CPU seconds go to seconds[name] and cpu_seconds[name]."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = call()
+    seconds[name], cpu_seconds[name] = time.perf_counter() - wall, time.process_time() - cpu
+    return result
+
+
+out = timed("forward", lambda: sa.sparse_attention(q, k, v, layout, backend="numba"))
+timed("backward", lambda: out.sum().backward())
+timed("bf16 forward", lambda: sa.sparse_attention(*(t.detach().bfloat16() for t in (q, k, v)), layout, backend="numba"))
+print(", ".join(f"{name} {seconds[name]:.1f} s (CPU {cpu_seconds[name]:.1f} s)" for name in seconds)
       + f" ({machine.cpu_model()}, load {load_before[0]:.2f})")
 if args.out:
-    record = {"seconds": {name: round(s, 2) for name, s in seconds.items()}, "cpu": machine.cpu_model(),
+    record = {"seconds": {name: round(s, 2) for name, s in seconds.items()},
+              "cpu_seconds": {name: round(s, 2) for name, s in cpu_seconds.items()}, "cpu": machine.cpu_model(),
               "load_average_before": load_before, "load_average_after": machine.load_average(),
               "numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "numba": numba.__version__}
     with open(args.out, "w") as f:
