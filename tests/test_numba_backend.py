@@ -426,3 +426,44 @@ def test_calls_from_several_threads(layer):
     assert report["equal"]
     assert report["blas_threads"] in (2, None)
     assert layer == "default" or report["layer"] == layer
+
+
+@numba.njit(fastmath=lowlevel.FASTMATH)
+def _tanh_of_each(x, out):
+    for i in range(x.size):
+        out[i] = lowlevel.tanh(x[i])
+
+
+def test_float32_tanh_within_3e7_of_float64_and_nan_stays_nan():
+    """lowlevel.tanh in float32 (the softcap's, forward and backward): 2.7e-7 relative on a grid through the
+    clamp at |x| = 8 and tiny values, never above 1 in magnitude, odd, NaN for NaN, +-(1 - 2.3e-7) for +-inf."""
+    x = np.concatenate([np.linspace(-12, 12, 200_001), np.geomspace(1e-30, 1, 1001)]).astype(np.float32)
+    got = np.empty_like(x)
+    _tanh_of_each(x, got)
+    exact = np.tanh(x.astype(np.float64))
+    assert (np.abs(got - exact) <= 3e-7 * np.abs(exact)).all()
+    grid, values = x[:200_001], got[:200_001]
+    mirrored = grid[::-1] == -grid
+    assert (np.abs(got) <= 1).all() and mirrored.sum() > 100_000 and (values[::-1] == -values)[mirrored].all()
+    special = np.array([np.nan, np.inf, -np.inf], np.float32)
+    _tanh_of_each(special, special)
+    assert np.isnan(special[0]) and special[1] == -special[2] and 1 - 3e-7 < special[1] < 1
+
+
+@numba.njit(fastmath=lowlevel.FASTMATH)
+def _softcap_panel(config, s, c0, c1):
+    mods.modify(mods.head_modifiers(config, 0, 0, 0), s, c0, c1, 0)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="reads x86 assembly")
+def test_float32_softcap_pass_is_a_packed_loop():
+    """The softcap over a panel's columns compiles to packed divisions (divps/vdivps): a scalar loop (a
+    zero-division branch in tanh, or a column slice of unknown stride) made softcap=50 double the forward."""
+    modifiers = mods.call_modifiers(50.0, None, torch.float32, n_q=4, n_k=40)
+    config = bundles.Config(64, 16, np.float32(0.125), np.float32(0.125 / np.log(2)), *modifiers)
+    s = np.ones((4, 40), np.float32)
+    _softcap_panel(config, s, 3, 37)
+    assembly = _softcap_panel.inspect_asm(_softcap_panel.signatures[0])
+    assert any(line.split()[:1] in (["divps"], ["vdivps"]) for line in assembly.splitlines())
+    capped = 50 / np.log(2) * np.tanh(np.log(2) / 50)                # base-2 score 1: c log2(e) tanh(ln 2 / c)
+    assert np.allclose(s[:, 3:37], capped, rtol=1e-6) and (s[:, :3] == 1).all() and (s[:, 37:] == 1).all()
