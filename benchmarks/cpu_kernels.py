@@ -1,9 +1,10 @@
 """CPU kernels: backend="numba" against FlexAttention (same blocks), the reference and dense SDPA.
 
     python benchmarks/cpu_kernels.py [--quick] [--n 4096 16384 65536] [--repeats 5] [--no-scale]
-                                     [--impls ...] [--out benchmarks/results]
+                                     [--impls ...] [--pattern PATTERN] [--out benchmarks/results]
 
-B=1, H=8, D=64, pattern ``Local(256) | Global(first=16)``, float32, and bfloat16 for the names ending
+B=1, H=8, D=64, pattern ``Local(256) | Global(first=16)`` (``--pattern``: any pattern text, e.g. the preset
+``bigbird-itc`` or ``"Local(1023, 0) & Causal()"``), float32, and bfloat16 for the names ending
 in ``-bf16`` (``numba-bf16``: bf16 matmuls where the CPU has native bf16, see docs/backend-numba.md).
 For every N it times, in one process and interleaved (repeat r runs every implementation once
 before repeat r+1), the forward and the forward+backward (``peers.passes``) of these peers of
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -49,14 +51,15 @@ from sparse_attn.backends.numba import bf16 as numba_bf16
 from sparse_attn.bench import peers
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results
+from sparse_attn.expression import parse_pattern
 
 BATCH, HEADS, DIM = 1, 8, 64
-PATTERN = sa.Local(256) | sa.Global(first=16)
-PATTERN_NAME = "Local(256) | Global(first=16)"
+PATTERN_NAME = "Local(256) | Global(first=16)"  # the default --pattern
 SLOW_FLOPS = {"reference": 1e11, "sdpa-dense": 1e12}  # skip above these dense FLOPs (minutes per call here)
 SCALE_POINTS = ((262_144, True), (1_048_576, False))
 NUMBA_MODS = ("numba-softcap", "numba-alibi")  # numba float32 with a score modifier (issue 27), asked for by name
-FLEX_MASK_MOD = "pattern.mask_mod: (q - kv).abs() <= 256 | (q < 16) | (kv < 16), the predicate (no lookup table)"
+FLEX_MASK_MOD = {PATTERN_NAME: "pattern.mask_mod: (q - kv).abs() <= 256 | (q < 16) | (kv < 16), the predicate (no "
+                                "lookup table)"}  # what the default pattern's mask_mod computes
 
 
 def _inputs(n: int, grad: bool, dtype: torch.dtype = torch.float32):
@@ -71,26 +74,26 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _runner(impl: str, n: int):
+def _runner(impl: str, n: int, pattern: sa.Pattern):
     """(forward, forward+backward, FLOPs of one forward, skip reason or None) for one implementation."""
     name = impl.removesuffix("-bf16")
     q, k, v = _inputs(n, grad=True, dtype=torch.bfloat16 if impl.endswith("-bf16") else torch.float32)
     dense_flops = 4 * BATCH * HEADS * n * n * DIM
     if name == "numba" or name == "reference":
-        layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+        layout = pattern.layout(n, n, heads=HEADS, block_size=64)
         flops = layout.flops(DIM) * BATCH
         if name == "reference" and dense_flops > SLOW_FLOPS[name]:
             return None, None, flops, f"computes dense rows: {dense_flops / 1e12:.1f} TFLOP per forward"
         attend = peers.sparse_attn(q, k, v, layout, backend=name)
     elif name in NUMBA_MODS:
-        layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+        layout = pattern.layout(n, n, heads=HEADS, block_size=64)
         flops = layout.flops(DIM) * BATCH
         mods = peers.score_mods(name.removeprefix("numba-"), HEADS, "cpu")
         attend = lambda: sparse_attention(q, k, v, layout, backend="numba", **mods)  # noqa: E731
     elif name.startswith("flex"):
         torch._dynamo.config.recompile_limit = 64  # one compiled variant per (N, block, dtype): more than the default 8
         block = int(name.split("-")[1])
-        layout = PATTERN.layout(n, n, heads=HEADS, block_size=block)
+        layout = pattern.layout(n, n, heads=HEADS, block_size=block)
         q, k, v = (t.detach() for t in (q, k, v))  # FlexAttention refuses inputs that require grad on CPU
         # fresh=False: the flex runners of one N are timed in turns, and a reset would send them back to compiling
         forward = peers.flex(q, k, v, layout, fresh=False)
@@ -117,14 +120,14 @@ def _matmul(dtype: torch.dtype, size: int):
     return lambda: torch.mm(a, b)
 
 
-def run_sizes(lengths, impls, repeats):
+def run_sizes(lengths, impls, repeats, pattern: sa.Pattern):
     results, mm_times, mm_bf16_times, load = [], [], [], {}
     sizes = _matmul_sizes()
     for n in lengths:
         load[n] = machine.load_average()
         runners = {}
         for name in impls:
-            forward, forward_backward, flops, skip = _runner(name, n)
+            forward, forward_backward, flops, skip = _runner(name, n, pattern)
             if skip is None:
                 compile_s = _timed(forward) + (_timed(forward_backward) if forward_backward else 0)  # warm-up
                 runners[name] = (forward, forward_backward, flops, compile_s)
@@ -160,11 +163,11 @@ def run_sizes(lengths, impls, repeats):
     return results, rates, load
 
 
-def scale_point(n: int, backward: bool) -> dict:
+def scale_point(n: int, backward: bool, pattern: sa.Pattern) -> dict:
     """Run once in this process (a fresh one): time and peak resident memory."""
     q, k, v = _inputs(n, grad=backward)
     start = time.perf_counter()
-    layout = PATTERN.layout(n, n, heads=HEADS, block_size=64)
+    layout = pattern.layout(n, n, heads=HEADS, block_size=64)
     layout_s = time.perf_counter() - start
     base_rss = machine.process_peak_bytes()
     start = time.perf_counter()
@@ -183,10 +186,11 @@ def scale_point(n: int, backward: bool) -> dict:
             "flops_forward": layout.flops(DIM) * BATCH, "finite": bool(torch.isfinite(out).all())}
 
 
-def run_scale_points() -> list[dict]:
+def run_scale_points(pattern_text: str) -> list[dict]:
     points = []
     for n, backward in SCALE_POINTS:
-        cmd = [sys.executable, __file__, "--scale-point", str(n)] + (["--backward"] if backward else [])
+        cmd = [sys.executable, __file__, "--scale-point", str(n), "--pattern", pattern_text] + (
+            ["--backward"] if backward else [])
         point = run_json(cmd)
         points.append({"n": n, "backward": backward, "error": point["error"]} if "error" in point else point)
         print(points[-1], flush=True)
@@ -262,7 +266,7 @@ def markdown(record: dict) -> str:
         f"{tuple(m['loadavg_after'])} after, before each N: "
         + ", ".join(f"{n}: {tuple(round(x, 2) for x in load)}" for n, load in record["loadavg_by_n"].items())
         + " (the machine is shared: compare ratios within this run).", "",
-        f"B={BATCH}, H={HEADS}, D={DIM}, `{PATTERN_NAME}`; float32, and bfloat16 for `-bf16` "
+        f"B={BATCH}, H={HEADS}, D={DIM}, `{record.get('pattern', PATTERN_NAME)}`; float32, and bfloat16 for `-bf16` "
         f"(bf16 matmuls in numba: {record['numba_bf16']}). Median of {record['repeats']} interleaved "
         f"repeats. GFLOP/s on computed blocks (`layout.flops(D)`, x3.5 for forward+backward). "
         f"Matmul rates (torch.mm, same run): fp32 **{record['matmul_gflops']:.0f} GFLOP/s** "
@@ -335,25 +339,27 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["numba", "numba-bf16", "flex-64", "flex-64-bf16", "flex-128",
                                                        "flex-128-bf16", "reference", "sdpa-dense", "sdpa-dense-bf16"])
     parser.add_argument("--no-scale", action="store_true", help="skip the N=262K / 1M scale points")
+    parser.add_argument("--pattern", default=PATTERN_NAME, help="pattern text: a preset or an expression")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--scale-point", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    pattern, _ = parse_pattern(args.pattern)
     if args.scale_point:
-        print(json.dumps(scale_point(args.scale_point, args.backward)))
+        print(json.dumps(scale_point(args.scale_point, args.backward, pattern)))
         return
     lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
     where = {**header(("torch", "numba")), "torch_threads": torch.get_num_threads(),
              "numba_threads": numba.get_num_threads()}
-    results, rates, load_by_n = run_sizes(lengths, args.impls, repeats)
-    scale = [] if args.quick or args.no_scale else run_scale_points()
+    results, rates, load_by_n = run_sizes(lengths, args.impls, repeats, pattern)
+    scale = [] if args.quick or args.no_scale else run_scale_points(args.pattern)
     where["loadavg_after"] = machine.load_average()
     record = {"machine": where, "loadavg_by_n": load_by_n, "batch": BATCH, "heads": HEADS, "head_dim": DIM,
-              "dtypes": ["float32", "bfloat16"], "numba_bf16": numba_bf16.native()[1], "pattern": PATTERN_NAME,
+              "dtypes": ["float32", "bfloat16"], "numba_bf16": numba_bf16.native()[1], "pattern": args.pattern,
               "numba_bf16_native": numba_bf16.native()[0],
               "repeats": repeats, **rates, "results": results, "scale": scale,
-              "flex_mask_mod": FLEX_MASK_MOD}
-    record["command"] = " ".join(["python benchmarks/cpu_kernels.py", *sys.argv[1:]])
+              "flex_mask_mod": FLEX_MASK_MOD.get(args.pattern, f"pattern.mask_mod of {args.pattern}")}
+    record["command"] = shlex.join(["python", "benchmarks/cpu_kernels.py", *sys.argv[1:]])
     print(write_results(args.out, "cpu_kernels", record, markdown))
 
 

@@ -167,7 +167,7 @@ def test_the_cli_and_every_script_run_the_peers_of_one_module(monkeypatch, recom
         implementations.setup(name, pattern, q, k, v, 64)
 
     def cpu(name):
-        cpu_kernels._runner(name, 128)
+        cpu_kernels._runner(name, 128, pattern)
 
     def gpu(name, causal=False):
         gpu_kernels.make_runner(name, q, k, v, layout, causal)
