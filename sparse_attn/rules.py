@@ -469,7 +469,7 @@ def _resolve_sink(spec, ctx):
         first = starts + (spec.period - spec.width)
         last = np.minimum(starts + step, n) - 1
         parts.append(_ranges_to_keys(np.zeros_like(starts), first, last, 0))
-    return TokenRule(np.zeros(0, dtype=np.int64), np.unique(np.concatenate(parts)))
+    return TokenRule(np.zeros(0, dtype=np.int64), parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts)))
 
 
 @resolver("causal")
@@ -673,8 +673,11 @@ def _count_in(sorted_values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.n
 
 
 def _member(sorted_values: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Elementwise ``x in sorted_values``."""
+    """Elementwise ``x in sorted_values`` (sorted, without repeats)."""
     if sorted_values.size == 0:
         return np.zeros(np.shape(x), dtype=bool)
+    first, last = sorted_values[0], sorted_values[-1]
+    if last - first == sorted_values.size - 1:                         # a run (the first k tokens): two bounds
+        return (x >= first) & (x <= last)
     pos = np.minimum(np.searchsorted(sorted_values, x), sorted_values.size - 1)
     return sorted_values[pos] == x
