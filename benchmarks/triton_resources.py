@@ -1,7 +1,7 @@
 """What the Triton kernels cost an H100, read from the compiler, with no GPU: registers, spills, shared memory.
 
     python benchmarks/triton_resources.py [--head-dim 64 128] [--dtype bf16 fp32 tf32] [--sweep] [--ragged]
-                                          [--out benchmarks/results]
+                                          [--softcap] [--out benchmarks/results]
 
 Each of the four kernels of ``sparse_attn/backends/triton_gpu.py`` is lowered for sm_90 (H100/H200)
 exactly as a launch would specialise it (16-byte aligned pointers, unit stride along head_dim),
@@ -10,7 +10,8 @@ it records the registers per thread, the bytes spilled to local memory, the shar
 block, and whether the key-block loop is software-pipelined. By default only the setting the
 backend launches with (``triton_gpu.launch_settings``) is compiled; ``--sweep`` adds 4 and 8 warps
 x 1..3 stages, the evidence behind that choice. ``--ragged`` compiles for N not a multiple of the
-block (bounds-masked loads). This is static information, not speed. Writes
+block (bounds-masked loads), ``--softcap`` with the soft-capping switch on (the hardware tanh for half
+and TF32 inputs). This is static information, not speed. Writes
 ``triton_resources.json`` and ``triton_resources.md`` into ``--out``; exits 1 if a launched setting
 needs more than the 227 KB of shared memory of sm_90 or its key-block loop is not pipelined.
 """
@@ -36,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a bare checkout runs it without installing
 from sparse_attn.backends import triton_gpu  # noqa: E402
 from sparse_attn.machine import versions  # noqa: E402
+from sparse_attn.score_mods import NO_MODS, ScoreMods  # noqa: E402
 
 H100_SHARED_MEMORY = 227 * 1024   # bytes a block may opt in to on sm_90
 BLOCK = 64                        # the layouts' default block size
@@ -66,10 +68,12 @@ def signature(kernel, constants: dict, dtype: str) -> ASTSource:
     return ASTSource(kernel, types, constexprs, attrs)
 
 
-def constants(kernel_name: str, head_dim: int, dtype_name: str, ragged: bool) -> dict:
-    """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input; ``ragged``: N % BLOCK != 0."""
+def constants(kernel_name: str, head_dim: int, dtype_name: str, ragged: bool, softcap: bool) -> dict:
+    """The constexpr arguments the launchers pass for a (B, H, N, head_dim) input; ``ragged``: N % BLOCK != 0;
+    ``softcap``: with a softcap (any value: the kernels take it as an argument)."""
     n = 4 * BLOCK + ragged
-    meta = triton_gpu.kernel_constants(head_dim, DTYPES[dtype_name], n, n, BLOCK)
+    mods = ScoreMods(softcap=30.0) if softcap else NO_MODS
+    meta = triton_gpu.kernel_constants(head_dim, DTYPES[dtype_name], n, n, BLOCK, mods)
     if kernel_name == "preprocess":
         return dict(HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"], BLOCK=BLOCK, HAS_DLSE=True)
     return meta | ({"PRECISION": "tf32"} if dtype_name == "tf32" else {})
@@ -102,7 +106,7 @@ def launched(kernel_name: str, head_dim: int, dtype_name: str) -> tuple[int, int
     return settings["num_warps"], settings["num_stages"]
 
 
-def compile_all(head_dims, dtypes, sweep: bool, ragged: bool) -> list[dict]:
+def compile_all(head_dims, dtypes, sweep: bool, ragged: bool, softcap: bool) -> list[dict]:
     knobs.nvidia.dump_ptxas_log = True        # ptxas -v's report goes to stdout, captured per kernel
     knobs.compilation.always_compile = True   # a cached kernel would print no report
     rows = []
@@ -115,8 +119,8 @@ def compile_all(head_dims, dtypes, sweep: bool, ragged: bool) -> list[dict]:
                     settings |= {(w, s) for w in (4, 8) for s in (1, 2, 3)}
                 for w, s in sorted(settings):
                     row = {"kernel": kernel_name, "dtype": dtype_name, "head_dim": head_dim, "ragged": ragged,
-                           "warps": w, "stages": s, "launched": (w, s) == chosen}
-                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, dtype_name, ragged),
+                           "softcap": softcap, "warps": w, "stages": s, "launched": (w, s) == chosen}
+                    row.update(compile_for_h100(kernel, constants(kernel_name, head_dim, dtype_name, ragged, softcap),
                                                 dtype_name, w, s))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -173,11 +177,12 @@ def main() -> None:
                         help="tf32: float32 inputs with torch.backends.cuda.matmul.allow_tf32 = True")
     parser.add_argument("--sweep", action="store_true", help="also compile 4 and 8 warps x 1..3 stages")
     parser.add_argument("--ragged", action="store_true", help="N not a multiple of the block (masked loads)")
+    parser.add_argument("--softcap", action="store_true", help="the kernels with logit soft-capping on")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    rows = compile_all(args.head_dim, args.dtype, args.sweep, args.ragged)
+    rows = compile_all(args.head_dim, args.dtype, args.sweep, args.ragged, args.softcap)
     meta = {**versions(("triton", "torch")), "target": "cuda sm_90", "block": BLOCK,
-            "ragged": args.ragged, "command": " ".join(["python", *sys.argv])}
+            "ragged": args.ragged, "softcap": args.softcap, "command": " ".join(["python", *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "triton_resources.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (args.out / "triton_resources.md").write_text(to_markdown(rows, meta))

@@ -112,8 +112,12 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
         return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
                               documents).to(device)
     check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
-    if isinstance(pattern, BlockLayout) and pattern.device == device:
-        return pattern                                 # its tensors are the graph's inputs
+    if isinstance(pattern, BlockLayout):
+        if pattern.device == device:
+            return pattern                             # its tensors are the graph's inputs
+        index = _moved_while_tracing(device, *pattern.index)
+        return BlockLayout.trusted(pattern=pattern.pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
+                                   causal=causal, **dict(zip(KernelIndex._fields, index)))
     index = None
     no_call_data = key_padding_mask is None and global_mask is None and documents is None
     if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
@@ -125,17 +129,25 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
 
 
-def _index_while_tracing(device, pattern, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
-    """``layout.index`` on ``device`` of the layout the call runs, as Dynamo's constants; None for a pattern
-    built inside the compiled function (Dynamo hands over an object whose constructor has not run)."""
-    if isinstance(pattern, Pattern) and not _constructed(pattern):
+def _index_while_tracing(device, pattern: Pattern, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
+    """``layout.index`` on ``device`` of the pattern's layout for the call, as Dynamo's constants; None for a
+    pattern built inside the compiled function (Dynamo hands over an object whose constructor has not run)."""
+    if not _constructed(pattern):
         return None
-    return tuple(resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, None, None).to(device).index)
+    return tuple(build_layout(pattern, n_q, n_k, heads, block_size, causal=causal, batch=batch).to(device).index)
+
+
+def _moved_while_tracing(device, *index: torch.Tensor) -> tuple:
+    """A prebuilt layout's tensors copied to ``device``, as Dynamo's constants. Dynamo hands this function the
+    tensors' values and other arguments as Python constants: it takes no BlockLayout itself (torch 2.11's Dynamo
+    refuses one there)."""
+    return tuple(tensor.to(device) for tensor in index)
 
 
 # torch.compiler.assume_constant_result's mark, set without importing Dynamo (a second and 100+ MB): Dynamo runs
-# the function while tracing and keeps its result as constants of the graph.
+# these functions while tracing and keeps their results as constants of the graph.
 _index_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # a mark on a function object
+_moved_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _constructed(pattern: Pattern) -> bool:

@@ -52,7 +52,7 @@ _MASK_PAIRS = 1 << 22  # (query, key) pairs evaluated at once where the held key
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what sparse_attention takes
 _KEPT_LAYOUTS = 8      # layouts of held positions a cache keeps, by their token mask (a decode step reuses one)
 _KEPT_RULES = 64       # resolved rules a cache keeps, by context (a step resolves its context once per head)
-_DENSE_ROWS = 64       # new queries up to this run as one dense attention over the held keys (numba backend)
+_DENSE_ROWS = 64       # new queries up to this run as one dense attention over the held keys (numba, triton)
 
 
 class SparseKVCache:
@@ -415,7 +415,7 @@ class SparseKVCache:
                                          key_padding_mask=key_padding_mask, softcap=softcap,
                                          alibi_slopes=mods.alibi_slopes, sinks=sinks)
         backend = backends.choose(self.backend, q.device)
-        if backend == "numba" and n_q <= _DENSE_ROWS:
+        if backend in ("numba", "triton") and n_q <= _DENSE_ROWS:
             return self._attend_dense(q, keys, values, held_positions, scale, return_lse, key_padding_mask, mods, sinks)
         block_size = backends.load(backend).BLOCK_SIZE
         if n_q > _DENSE_ROWS and key_padding_mask is None and self._starts is None and mods.alibi_slopes is None:

@@ -308,7 +308,8 @@ def test_torch_compile_through_sparse_attention():
 @pytest.mark.slow  # compiles every kernel for sm_90 in a subprocess
 @pytest.mark.skipif(ON_CUDA, reason="on CUDA the value tests compile and run the kernels")
 @pytest.mark.parametrize("flags", [["--head-dim", "64", "128", "--dtype", "bf16"],
-                                   ["--head-dim", "24", "--dtype", "fp16", "fp32", "--ragged"]])
+                                   ["--head-dim", "24", "--dtype", "fp16", "fp32", "--ragged"],
+                                   ["--head-dim", "64", "--dtype", "bf16", "fp32", "--softcap"]])
 def test_kernels_compile_for_an_h100_without_a_gpu(flags, tmp_path):
     """The interpreter runs the kernels' Python; this lowers them to PTX/cubin for sm_90, as a GPU would, with
     the launch settings the backend picks on an H100: they fit in shared memory and their loops are pipelined."""
@@ -323,8 +324,8 @@ def test_kernels_compile_for_an_h100_without_a_gpu(flags, tmp_path):
     assert {r["kernel"] for r in rows} == {"forward", "preprocess", "dk_dv", "dq"} and all(r["launched"] for r in rows)
     for r in rows:
         assert r["shared_bytes"] <= 227 * 1024 and (r["pipelined"] or r["kernel"] == "preprocess"), r
-        if r["dtype"] != "fp32" and r["head_dim"] <= 64:  # half precision up to head_dim 64 keeps all in registers
-            assert r["spill_bytes"] == 0, r
+        if r["dtype"] != "fp32" and r["head_dim"] <= 64:  # half precision up to head_dim 64 keeps all in registers,
+            assert r["spill_bytes"] <= (64 if r["softcap"] else 0), r  # but for 64 bytes of dK/dV's with softcap
 
 
 # ------------------------------------------------------------------------------------------------

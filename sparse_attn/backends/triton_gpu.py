@@ -25,7 +25,9 @@ blocks, or a piece of a long one), longest items first:
 With score modifiers (``ScoreMods``: softcap, ALiBi; compile-time switches, so the kernels above are unchanged
 without them) each score is computed in log2 units before the same online softmax:
 ``t = log2(e) * (c * tanh(scale * s / c) - slope * |i' - j|)``, the max taken on t; the backward recomputes t and
-multiplies dS by 1 - tanh^2. Sinks never enter the kernels (``score_mods.add_sink``).
+multiplies dS by 1 - tanh^2. tanh is the GPU's ``tanh.approx.f32`` for half-precision (and TF32) inputs, one
+special-function operation beside the softmax's exp2, and exp2-based for exact float32 (``_tanh``). Sinks never
+enter the kernels (``score_mods.add_sink``).
 Rows with no allowed key keep m = -inf and l = 0: their output is 0 and their lse is -inf. A row cut
 into pieces (the rows of global tokens, which hold every key block) has each piece write its (out, lse)
 to a float32 scratch slot; ``_merge_kernel`` combines them by log-sum-exp. The backward cuts rows (dQ)
@@ -110,11 +112,16 @@ def _load_mask(masks, tile_id, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh(x) in float32 from exp2 (tl.math has no tanh on every Triton version): 5.3e-7 relative at most with
-    an exact exp2 (the interpreter's; tests allow 1e-6), exactly +-1 for large |x|, NaN for NaN. Near 0, where
-    1 - 2 / (exp(2x) + 1) loses digits to cancellation, an odd polynomial."""
-    far = 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)           # exp2 -> inf or 0 for large |x|: +-1
+def _tanh(x, HARDWARE: tl.constexpr):
+    """tanh(x) in float32. HARDWARE: the GPU's ``tanh.approx.f32``, one special-function operation, 2^-11 relative
+    at most: for half-precision and TF32 inputs, whose scores carry more rounding than that (FlashAttention's
+    softcap does the same). Else from exp2 and a fast division (tl.math has no tanh on every Triton version):
+    5.3e-7 relative at most with an exact exp2 (the interpreter's; tests allow 1e-6), exactly +-1 for large
+    |x|, NaN for NaN; near 0, where 1 - 2 / (exp(2x) + 1) loses digits to cancellation, an odd polynomial."""
+    if HARDWARE:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    far = 1.0 - tl.fdiv(2.0, tl.exp2(x * (2.0 * _LOG2E)) + 1.0)     # exp2 -> inf or 0 for large |x|: +-1
     x2 = x * x
     near = x + x * x2 * (_TANH_C3 + x2 * (_TANH_C5 + x2 * _TANH_C7))
     return tl.where(tl.abs(x) < _TANH_NEAR, near, far)
@@ -135,13 +142,15 @@ def _distance(q_first, k_first, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
 
 @triton.jit
 def _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, k_first, BLOCK: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, TRANSPOSED: tl.constexpr):
+                     PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                     TRANSPOSED: tl.constexpr):
     """Dot products ``s`` (unscaled) -> the modified scores in log2 units, and tanh(scale * s / softcap) (whose
     1 - tanh^2 is the softcap's derivative; ``s`` itself without softcap):
     ``log2(e) * (softcap * tanh(scale * s / softcap) - slope * |i' - j|)``; cap_in_scale = scale / softcap,
-    cap_out_scale = softcap * log2(e), slope2 = slope * log2(e)."""
+    cap_out_scale = softcap * log2(e), slope2 = slope * log2(e). The hardware tanh where the dot products are not
+    exact float32 (PRECISION) and the kernels are compiled (the interpreter runs no PTX)."""
     if HAS_SOFTCAP:
-        th = _tanh(s * cap_in_scale)
+        th = _tanh(s * cap_in_scale, PRECISION != "ieee" and _COMPILED)
         t = th * cap_out_scale
     else:
         th = s
@@ -162,7 +171,7 @@ def _fwd_block(acc, l_i, m_i, q, k_base, v_base, col, stride_kn, stride_kd, stri
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                             # (BLOCK_M, BLOCK_N) unscaled
     if HAS_SOFTCAP or HAS_ALIBI:  # the modified scores, in log2 units: no scale left to fold into exp2
         s, _ = _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, col * BLOCK, BLOCK,
-                                HAS_SOFTCAP, HAS_ALIBI, False)
+                                PRECISION, HAS_SOFTCAP, HAS_ALIBI, False)
         unit = 1.0
     else:         # the "FFMA softmax": the max on unscaled scores, the scale folded into exp2's argument
         unit = qk_scale
@@ -372,7 +381,7 @@ def _bwd_kv_block(dk, dv, k, v, q_base, do_base, Lse2, Delta, row, stride_qn, st
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)                                # (BLOCK_N, BLOCK_M)
     if HAS_SOFTCAP or HAS_ALIBI:
         s_t, tanh_t = _modified_scores(s_t, qk_scale, cap_in_scale, cap_out_scale, slope2, row * BLOCK + shift,
-                                       k_first, BLOCK, HAS_SOFTCAP, HAS_ALIBI, True)
+                                       k_first, BLOCK, PRECISION, HAS_SOFTCAP, HAS_ALIBI, True)
     else:
         s_t = s_t * qk_scale
     p_t = tl.exp2(s_t - lse2[None, :])
@@ -454,7 +463,7 @@ def _bwd_q_block(dq, q, do, lse2, delta, k_base, v_base, col, stride_kn, stride_
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)                                   # (BLOCK_M, BLOCK_N)
     if HAS_SOFTCAP or HAS_ALIBI:
         s, tanh_s = _modified_scores(s, qk_scale, cap_in_scale, cap_out_scale, slope2, q_first, col * BLOCK, BLOCK,
-                                     HAS_SOFTCAP, HAS_ALIBI, False)
+                                     PRECISION, HAS_SOFTCAP, HAS_ALIBI, False)
     else:
         s = s * qk_scale
     p = tl.exp2(s - lse2[:, None])
@@ -522,6 +531,7 @@ def _bwd_q_kernel(Q, K, V, DOut, Lse2, Delta, DQ, PieceDQ, Items,
 # it is then: for our kernels at this import, for Triton's own (tl.zeros, tl.sum) at `import triton`.
 _INTERPRETED = not isinstance(_fwd_kernel, triton.runtime.JITFunction)
 _MIXED_MODES = _INTERPRETED != (not isinstance(tl.zeros, triton.runtime.JITFunction))
+_COMPILED = tl.constexpr(not _INTERPRETED)  # read by the kernels: PTX (the hardware tanh) only when compiled
 
 
 def _version(text: str) -> tuple[int, int]:
