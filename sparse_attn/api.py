@@ -115,9 +115,9 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
     if isinstance(pattern, BlockLayout):
         if pattern.device == device:
             return pattern                             # its tensors are the graph's inputs
-        index = _moved_while_tracing(device, *pattern.index)
+        moved = _moved_while_tracing(device, *pattern.index)
         return BlockLayout.trusted(pattern=pattern.pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
-                                   causal=causal, **dict(zip(KernelIndex._fields, index)))
+                                   causal=causal, **dict(zip(KernelIndex._fields, moved)))
     index = None
     no_call_data = key_padding_mask is None and global_mask is None and documents is None
     if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
