@@ -10,6 +10,7 @@ torch.Size([1, 2, 100, 16])
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import numbers
@@ -116,12 +117,13 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
         if pattern.device == device:
             return pattern                             # its tensors are the graph's inputs
         moved = _moved_while_tracing(device, *pattern.index)
-        return BlockLayout.trusted(pattern=pattern.pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
-                                   causal=causal, **dict(zip(KernelIndex._fields, moved)))
+        return BlockLayout.trusted(pattern=pattern.pattern, n_q=pattern.n_q, n_k=pattern.n_k, heads=pattern.heads,
+                                   block_size=pattern.block_size, causal=pattern.causal,
+                                   **dict(zip(KernelIndex._fields, moved)))
     index = None
     no_call_data = key_padding_mask is None and global_mask is None and documents is None
     if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
-        index = _index_while_tracing(device, pattern, batch, heads, n_q, n_k, block_size, causal)
+        index = _index_while_tracing(device, id(pattern), batch, heads, n_q, n_k, block_size, causal)
     if index is None:
         return _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask,
                             global_mask, documents)
@@ -129,9 +131,14 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
 
 
-def _index_while_tracing(device, pattern: Pattern, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
+def _index_while_tracing(device, pattern_id: int, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
     """``layout.index`` on ``device`` of the pattern's layout for the call, as Dynamo's constants; None for a
-    pattern built inside the compiled function (Dynamo hands over an object whose constructor has not run)."""
+    pattern built inside the compiled function (Dynamo hands over an object whose constructor has not run).
+
+    Dynamo hands such a function Python constants and tensors only (torch 2.11 refuses a Pattern, a frozen
+    dataclass, there), so the pattern comes as ``id(pattern)``, which Dynamo guards on: the object is alive,
+    held by the call Dynamo is tracing, while this runs."""
+    pattern = ctypes.cast(pattern_id, ctypes.py_object).value
     if not _constructed(pattern):
         return None
     return tuple(build_layout(pattern, n_q, n_k, heads, block_size, causal=causal, batch=batch).to(device).index)
@@ -150,8 +157,10 @@ _index_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined
 _moved_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _constructed(pattern: Pattern) -> bool:
-    return all(hasattr(pattern, field.name) for field in dataclasses.fields(pattern))
+def _constructed(pattern) -> bool:
+    """Whether ``pattern`` is a Pattern whose constructor ran (not a stand-in Dynamo made while tracing one)."""
+    return (isinstance(pattern, Pattern) and dataclasses.is_dataclass(pattern)
+            and all(hasattr(pattern, field.name) for field in dataclasses.fields(pattern)))
 
 
 @host_only  # call-time data or dynamic sizes: a graph break
