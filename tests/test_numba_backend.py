@@ -265,7 +265,7 @@ def test_ideal_float32_kernel_breaks_the_rule_at_large_logits():
     to float32, is at 2.35x, 2.76x and 2.08x, as float32_score_attention is."""
     errors = large_logit_errors(sa.Local(30) | sa.Sink(first=2), 128, 64, False, 16, seed=40)
     ideal = rule_ratios(errors)[:, 3]                                              # (5,)
-    assert (ideal[[0, 2, 3]] > 1.1).all(), f"ideal kernel / allowance: {ideal.tolist()}"
+    assert (ideal[[0, 2, 3]] > 1).all(), f"ideal kernel / allowance: {ideal.tolist()}"
     assert (float32_score_excess(errors) <= 0).all()
 
 
