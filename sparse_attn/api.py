@@ -123,7 +123,7 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
     index = None
     no_call_data = key_padding_mask is None and global_mask is None and documents is None
     if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
-        index = _index_while_tracing(device, id(pattern), batch, heads, n_q, n_k, block_size, causal)
+        index = _index_while_tracing(device, id(pattern), heads, n_q, n_k, block_size, causal)
     if index is None:
         return _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask,
                             global_mask, documents)
@@ -131,17 +131,18 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
 
 
-def _index_while_tracing(device, pattern_id: int, batch, heads, n_q, n_k, block_size, causal) -> tuple | None:
+def _index_while_tracing(device, pattern_id: int, heads, n_q, n_k, block_size, causal) -> tuple | None:
     """``layout.index`` on ``device`` of the pattern's layout for the call, as Dynamo's constants; None for a
     pattern built inside the compiled function (Dynamo hands over an object whose constructor has not run).
 
     Dynamo hands such a function Python constants and tensors only (torch 2.11 refuses a Pattern, a frozen
     dataclass, there), so the pattern comes as ``id(pattern)``, which Dynamo guards on: the object is alive,
-    held by the call Dynamo is tracing, while this runs."""
+    held by the call Dynamo is tracing, while this runs. No batch: without call-time data the layout has none
+    (so a dynamic batch size keeps the graph whole)."""
     pattern = ctypes.cast(pattern_id, ctypes.py_object).value
     if not _constructed(pattern):
         return None
-    return tuple(build_layout(pattern, n_q, n_k, heads, block_size, causal=causal, batch=batch).to(device).index)
+    return tuple(build_layout(pattern, n_q, n_k, heads, block_size, causal=causal).to(device).index)
 
 
 def _moved_while_tracing(device, *index: torch.Tensor) -> tuple:

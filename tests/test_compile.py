@@ -91,6 +91,22 @@ def test_dynamic_lengths_build_the_layout_on_the_host():
             torch.testing.assert_close(actual, expected, **TOLERANCE)
 
 
+def test_a_dynamic_batch_keeps_the_graph_whole():
+    """Without call-time data a Pattern's layout depends on the lengths, not on the batch: a batch size that is
+    dynamic (a SymInt while tracing, which torch 2.11's Dynamo cannot hand to the layout build) keeps one graph
+    under fullgraph=True."""
+    compiled, graphs = inductor(lambda q, k, v: sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND, return_lse=True),
+                                fullgraph=True)
+    for batch in (2, 3):
+        q, k, v = projected_qkv(batch=batch)
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+        for actual, expected in zip(compiled(q, k, v), sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND,
+                                                                           return_lse=True)):
+            torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1
+
+
 def test_pattern_made_inside_the_compiled_function_breaks_the_graph_cleanly():
     """Dynamo cannot hand a pattern built while tracing to the layout build: a graph break, as the docs say."""
     q, k, v = projected_qkv(n=20)
