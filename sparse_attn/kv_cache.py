@@ -393,7 +393,10 @@ class SparseKVCache:
         ``set_starts``). ``key_padding_mask`` (B, n_held) bool, True = padding, masks held keys as
         ``sparse_attention``'s does (a padded batch); ``softcap``, ``alibi_slopes`` and ``sinks`` as there, ALiBi's
         distance between the tokens' positions. Where the cache holds the whole past (nothing dropped yet: a
-        prefill), the pattern's own layout; elsewhere a layout of the held positions
+        prefill), the pattern's own layout. Elsewhere, up to 64 new queries on the numba and triton backends (a
+        decode step): one dense attention over the held keys (:mod:`~sparse_attn.held_attention`); a larger
+        chunk without key padding, ``set_starts`` or ALiBi: the pattern's layout over the held key blocks
+        (:func:`~sparse_attn.positions.over_held_keys`); else a layout of the held positions
         (:func:`layout_at_positions`), built a few query rows at a time within a bounded mask, and with ALiBi
         one backend call per run of consecutive held positions (a sink run and the window: two), merged by
         log-sum-exp."""
