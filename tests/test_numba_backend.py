@@ -560,3 +560,51 @@ def test_float32_softcap_pass_is_a_packed_loop():
     assert any(line.split()[:1] in (["divps"], ["vdivps"]) for line in assembly.splitlines())
     capped = 50 / np.log(2) * np.tanh(np.log(2) / 50)                # base-2 score 1: c log2(e) tanh(ln 2 / c)
     assert np.allclose(s[:, 3:37], capped, rtol=1e-6) and (s[:, :3] == 1).all() and (s[:, 37:] == 1).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Panels that only some rows of a query block need (the rows of global tokens, past the band)
+# ------------------------------------------------------------------------------------------------
+def test_a_panel_past_the_band_computes_only_the_global_rows():
+    """Query block 0 of `Local(20) | Global(first=3)` over 1,300 keys, blocks of 64: its first panel holds the band
+    (every row); the panel after it holds only tiles whose allowed rows are the 3 global ones, so only those rows
+    are computed there. A band row block's one panel needs every row."""
+    layout = (sa.Local(20) | sa.Global(first=3)).layout(1300, block_size=64)
+    rows = bundles.block_index(*layout.index[:6], transposed=False)
+    per_panel = panels.PANEL_KEYS // 64
+    scratch = bundles.Panel(np.empty(per_panel, np.int64), np.empty(per_panel, np.int64))
+
+    def row_windows(query_block):
+        found, rest = [], bundles.segment(rows, 0, 0, query_block)
+        while panels.has_blocks(rest):
+            count, rest = panels.next_panel(rest, scratch, per_panel)
+            found.append(panels.panel_rows(scratch.tiles, count, rows.row_spans, 64))
+        return found
+
+    assert 1300 > panels.PANEL_KEYS and row_windows(0) == [(0, 64), (0, 3)]
+    assert row_windows(10) == [(0, 64)]
+
+
+ROW_WINDOW_CASES = {  # pattern, n, modifiers: global rows at the start and at the end of a row block, modifiers on
+    "first": (sa.Local(20) | sa.Global(first=3), 1300, {}),
+    "last": (sa.Local(20) | sa.Global(last=5), 1300, {}),
+    "mods": (sa.Local(8) | sa.Global(first=2), 1200, dict(softcap=3.0, alibi_slopes=torch.tensor([0.1, 0.3]))),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_WINDOW_CASES))
+def test_panels_of_some_rows_match_the_reference(name):
+    """Forward and backward through panels that compute only their rows (positions and ALiBi distances
+    shifted to them), against the reference in float64."""
+    pattern, n, modifiers = ROW_WINDOW_CASES[name]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    layout = pattern.layout(n, heads=2, block_size=64)
+    results = []
+    for backend in ("numba", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = sparse_attention(*leaves, layout, backend=backend, return_lse=True, **modifiers)
+        grads = torch.autograd.grad((out * out).sum() + lse.sum(), leaves)
+        results.append((out, lse, *grads))
+    for name_, got, want in zip(_OUTPUTS, *results):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=name_)

@@ -140,7 +140,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             copy_into(scratch.log2_sum[off:off + n], result.log2_sum[i0:i0 + n])
             copy_into(scratch.delta[off:off + n], incoming.delta[i0:i0 + n])
             t = end
-        mask_panel(st, panel.tiles, count, block_size, columns.masks, True)
+        mask_panel(st, panel.tiles, count, block_size, columns.masks, True, 0)
         exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch, head,
                           key_block.start)
         _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, key_block.start)

@@ -343,6 +343,18 @@ def _scores(ops, alpha, q, k, lo, hi, s):
     return lambda ops, alpha, q, k, lo, hi, s: _nt(ops.q, ops.kt, lo, alpha, s)
 
 
+def row_window(ops, r0, r1, rows):
+    """Forward: the rows [r0, r1) of a query block a panel computes: as given in float32/float64; all ``rows``
+    with bf16 operands (packed for the whole block)."""
+
+
+@overload(row_window)
+def _row_window(ops, r0, r1, rows):
+    if isinstance(ops, types.NoneType):
+        return lambda ops, r0, r1, rows: (r0, r1)
+    return lambda ops, r0, r1, rows: (0, rows) if r0 < r1 else (r0, r1)
+
+
 def probabilities(ops, p):
     """Forward, before ``add_pv``: P (rows, W) in the matmul dtype (bf16: into ops.p)."""
 

@@ -42,13 +42,15 @@ class BlockIndex(NamedTuple):
     part_tile: np.ndarray  # (n_part,) int32: each partial block's tile in masks
     masks: np.ndarray      # (n_masks, tq, tk) bool, tile[query, key]
     spans: np.ndarray      # (n_masks, 2) int64: [first, last + 1) of each tile's allowed keys (or queries)
+    row_spans: np.ndarray  # (n_masks, 2) int64: the same of its allowed queries (or keys): the walking block's rows
 
 
 def block_index(full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor, part_idx: torch.Tensor,
                 part_tile: torch.Tensor, masks: torch.Tensor, transposed: bool) -> BlockIndex:
     """The BlockIndex of a layout's row index tensors (``transposed=False``) or transposed ones."""
     return BlockIndex(full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(), part_idx.numpy(), part_tile.numpy(),
-                      masks.numpy(), _tile_spans(masks, 0 if transposed else 1))
+                      masks.numpy(), _tile_spans(masks, 0 if transposed else 1),
+                      _tile_spans(masks, 1 if transposed else 0))
 
 
 def _tile_spans(masks: torch.Tensor, axis: int) -> np.ndarray:

@@ -15,16 +15,17 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .bf16 import add_pv, head_forward, probabilities, release_tiles, scores
+from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
 from .lowlevel import FASTMATH, exp2, fetch_add
-from .mods import head_modifiers, modify, position
+from .mods import head_modifiers, modify, position, shifted
 from .near_max import exact_near_max, large_logits
 from .panels import (
     has_blocks,
     mask_panel,
     next_panel,
+    panel_rows,
     panel_scratch,
     panel_view,
     panel_width,
@@ -87,24 +88,30 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, hea
     rest = key_blocks
     while has_blocks(rest):                                                     # 1. panel by panel
         count, rest = next_panel(rest, panel, config.panel_blocks)
-        s = panel_view(scratch.scores, rows, panel_width(panel.blocks, count, block_size, n_k))  # (rows, W)
+        r0, r1 = panel_rows(panel.tiles, count, index.row_spans, rows)            # the rows any block allows
+        r0, r1 = row_window(ops, r0, r1, rows)
+        if r0 >= r1:
+            continue
+        q_r, head_r = q[r0:r1], shifted(head, r0)                                # (r1 - r0, D): those rows
+        s = panel_view(scratch.scores, r1 - r0, panel_width(panel.blocks, count, block_size, n_k))  # (r1 - r0, W)
         t = 0
         while t < count:                                                         # 2. base-2 scores, run by run
             end, j0, n = run_at(panel.blocks, t, count, block_size, n_k)
             lo, hi = run_span(t, end, n, panel.tiles, index.spans)              # the mask sets the rest
             off = t * block_size
-            scores(ops, config.base2_scale, q, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
-            modify(head, s, off + lo, off + hi, j0 + lo)
+            scores(ops, config.base2_scale, q_r, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
+            modify(head_r, s, off + lo, off + hi, j0 + lo)
             t = end
-        mask_panel(s, panel.tiles, count, block_size, index.masks, False)
-        _online_softmax(s, m, l, acc, scratch, panel.blocks, block_size, result.argmax, q, k, config, head)
+        mask_panel(s, panel.tiles, count, block_size, index.masks, False, r0)
+        _online_softmax(s, m[r0:r1], l[r0:r1], acc[r0:r1], scratch, panel.blocks, block_size, result.argmax[r0:r1],
+                        q_r, k, config, head_r)
         probabilities(ops, s)
         t = 0
         while t < count:                                                         # acc += P @ v
             end, j0, n = run_at(panel.blocks, t, count, block_size, n_k)
             lo, hi = run_span(t, end, n, panel.tiles, index.spans)
             off = t * block_size
-            add_pv(ops, s, off + lo, off + hi, v, j0 + lo, j0 + hi, acc)
+            add_pv(ops, s, off + lo, off + hi, v, j0 + lo, j0 + hi, acc[r0:r1])
             t = end
     _finish_rows(q, k, v, key_blocks, index.masks, config, m, l, acc, result, head)  # 3.
 

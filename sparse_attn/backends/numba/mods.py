@@ -85,6 +85,17 @@ def _head_modifiers(config, b, h, first):
                                                      first + config.shift)
 
 
+def shifted(head, rows):
+    """The HeadModifiers of the same query array from its row ``rows`` on (None stays None)."""
+
+
+@overload(shifted)
+def _shifted(head, rows):
+    if isinstance(head, types.NoneType):
+        return lambda head, rows: None
+    return lambda head, rows: HeadModifiers(head.softcap, head.slope, head.first + rows)
+
+
 def _field(tuple_type, name):
     """The type of field ``name`` of a NamedTuple type (typing time, for the overloads)."""
     return tuple_type.types[tuple_type.fields.index(name)]

@@ -69,6 +69,22 @@ def run_span(t0, t1, n, tiles, spans):
 
 
 @njit(cache=True, fastmath=FASTMATH)
+def panel_rows(tiles, count, row_spans, rows):
+    """[r0, r1) of a block's ``rows`` rows that a panel's blocks allow any key to: all of them if one block is
+    full, else the union of its tiles' row spans (past the band, the panels of a Longformer query block that
+    holds global tokens allow only those rows); r0 >= r1 if no tile allows anything."""
+    r0, r1 = rows, 0
+    for t in range(count):
+        tile = tiles[t]
+        if tile < 0:
+            return 0, rows
+        if row_spans[tile, 1] > row_spans[tile, 0]:
+            r0 = min(r0, row_spans[tile, 0])
+            r1 = max(r1, row_spans[tile, 1])
+    return r0, min(r1, rows)
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def panel_width(blocks, count, block_size, n):
     """Columns of a panel of ``count`` blocks: only the sequence's last block may be short (and it
     comes last)."""
@@ -82,10 +98,10 @@ def panel_view(buffer, rows, width):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def mask_panel(s, tiles, count, block_size, masks, transposed):
+def mask_panel(s, tiles, count, block_size, masks, transposed, row0):
     """-inf where a partial block's tile is False. s: (rows, W) scores of the panel's blocks
-    along columns; ``transposed``: s is (cols of one key block, W) with the panel's blocks being
-    query blocks, so tile[i, j] applies to s[j, offset + i]."""
+    along columns, for the block's rows from ``row0`` on; ``transposed``: s is (cols of one key block, W)
+    with the panel's blocks being query blocks, so tile[i, j] applies to s[j, offset + i] (row0 0)."""
     rows, width = s.shape
     for t in range(count):
         tile_id = tiles[t]
@@ -101,7 +117,7 @@ def mask_panel(s, tiles, count, block_size, masks, transposed):
         else:
             for i in range(rows):
                 for j in range(n):
-                    s[i, off + j] = s[i, off + j] if tile[i, j] else -np.inf
+                    s[i, off + j] = s[i, off + j] if tile[row0 + i, j] else -np.inf
 
 
 
