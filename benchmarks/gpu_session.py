@@ -1,7 +1,7 @@
 """The GPU runs behind the Triton backend's numbers, in stages that each fit one 10-minute call on a lent GPU.
 
     python benchmarks/gpu_session.py check     # ~1 min: the GPU, driver, versions, clocks; the two ceilings
-    python benchmarks/gpu_session.py tests     # <= 9 min: the Triton and nn tests on the GPU, log + summary
+    python benchmarks/gpu_session.py tests     # <= 9 min: the test suite on the GPU (-n 12), log + summary
     python benchmarks/gpu_session.py tune      # <= 8 min: benchmarks/triton_tune.py --resume (launch settings)
     python benchmarks/gpu_session.py bench     # <= 8 min: benchmarks/gpu_kernels.py --resume (targets first)
     python benchmarks/gpu_session.py profile   # ~2 min: torch.profiler of triton and FlexAttention at N=32K
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -205,21 +206,40 @@ def flex_export(out: Path, n: int = 32768, heads: int = 16) -> None:
     print(*lines, sep="\n")
 
 
+_ENDED = re.compile(r"\[gw\d+\] \[ *\d+%\] ([A-Z]+) (\S+)")  # a -v line of pytest-xdist: "[gw3] [  5%] PASSED tests/..."
+
+
+def pytest_summary(out: Path) -> None:
+    """gpu_pytest_summary.txt from the -v log of the ``tests`` stage, printed too: the tests that failed or
+    errored, each outcome's count, and the pytest-xdist workers that crashed (a finished run's own summary line
+    comes last)."""
+    log = (out / "gpu_pytest.log").read_text(errors="replace").splitlines()
+    ended = [match.groups() for match in map(_ENDED.match, log) if match]                       # (outcome, test)
+    failed = sorted({test for outcome, test in ended if outcome in ("FAILED", "ERROR")})
+    counts = "  ".join(f"{outcome} {sum(o == outcome for o, _ in ended)}"
+                       for outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL"))
+    crashes = sum("node down" in line for line in log)
+    finished = [line for line in log if line.startswith("=") and (" passed" in line or " failed" in line)]
+    lines = [*(f"failed: {test}" for test in failed), counts, f"workers crashed: {crashes}", *finished[-1:]]
+    (out / "gpu_pytest_summary.txt").write_text("\n".join(lines) + "\n")
+    print(*lines, sep="\n")
+
+
 def stages(out: Path) -> dict[str, list]:
     """Each stage's steps writing into ``out``: commands (argument lists, run from the repository root) or
     functions of this module called with ``out``."""
     pytest_log = shlex.quote(str(out / "gpu_pytest.log"))
-    pytest = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "--durations=10", "-p", "no:cacheprovider",
-                         "tests/test_triton_backend.py", "tests/test_nn.py"])
+    # the whole suite, 12 workers of 2 numba/torch threads on the 16 cores; -v names each test as it ends, so the
+    # log says what ran even where the time limit stops it
+    suite = shlex.join([PYTHON, "-m", "pytest", "-n", "12", "-v", "-rfEs", "--timeout", "300", "-p", "no:cacheprovider"])
     kernels = [PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--out", str(out)]
     quick_tests = shlex.join([PYTHON, "-m", "pytest", "-q", "-rs", "-n", "12", "--timeout", "130", "-p",
                               "no:cacheprovider", "tests/test_triton_backend.py", "tests/test_nn.py",
                               "tests/test_work_split.py"])
     return {
         "check": [check],
-        "tests": [["bash", "-c", f"set -o pipefail; timeout 540 {pytest} 2>&1 | tee {pytest_log}"],
-                  ["bash", "-c", f"grep -E '^(FAILED|ERROR)|passed|failed' {pytest_log} | tail -40 "
-                                 f"> {shlex.quote(str(out / 'gpu_pytest_summary.txt'))}"]],
+        "tests": [["bash", "-c", f"NUMBA_NUM_THREADS=2 OMP_NUM_THREADS=2 timeout 520 {suite} > {pytest_log} 2>&1"],
+                  pytest_summary],
         "tune": [[PYTHON, "benchmarks/triton_tune.py", "--resume", "--budget-s", "480", "--out", str(out)]],
         "bench": [[PYTHON, "benchmarks/gpu_kernels.py", "--resume", "--budget-s", "480", "--out", str(out)]],
         "profile": [profile],

@@ -122,13 +122,22 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                                    **dict(zip(KernelIndex._fields, moved)))
     index = None
     no_call_data = key_padding_mask is None and global_mask is None and documents is None
-    if no_call_data and not any(isinstance(n, torch.SymInt) for n in (n_q, n_k, heads)):
-        index = _index_while_tracing(device, id(pattern), heads, n_q, n_k, block_size, causal)
+    if no_call_data and _static(n_q) and _static(n_k) and _static(heads):
+        index = _index_while_tracing(device, id(pattern), int(heads), int(n_q), int(n_k), block_size, causal)
     if index is None:
         return _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask,
                             global_mask, documents)
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
+
+
+def _static(size) -> bool:
+    """Whether a size has one value while Dynamo traces (a dynamic size is a symbol). Dynamo shows a SymInt to
+    ``isinstance`` as an int, so a type test cannot tell; ``has_static_value`` is torch's test, which Dynamo
+    answers while tracing (sympy comes with Dynamo: imported here, not with the package)."""
+    from torch.fx.experimental.symbolic_shapes import has_static_value
+
+    return has_static_value(size)
 
 
 def _index_while_tracing(device, pattern_id: int, heads, n_q, n_k, block_size, causal) -> tuple | None:

@@ -4,7 +4,7 @@
 >>> from torch.nn.attention.flex_attention import create_mask
 >>> p = sa.Local(2) | sa.Global(first=1)
 >>> mask_mod = p.mask_mod(8)                                  # (b, h, q_idx, kv_idx) -> bool tensor
->>> torch.equal(create_mask(mask_mod, 1, 1, 8, 8)[0], p.mask(8))
+>>> torch.equal(create_mask(mask_mod, 1, 1, 8, 8, device="cpu")[0], p.mask(8))
 True
 
 The predicate is composed from the pattern's tree as one writes a ``mask_mod`` by hand, in positions

@@ -167,12 +167,13 @@ class Pattern:
         >>> import torch
         >>> from torch.nn.attention.flex_attention import create_block_mask, create_mask
         >>> p = Local(256) | Global(first=16)                 # ((i - j).abs() <= 256) | (i < 16) | (j < 16)
-        >>> bool((create_mask(p.mask_mod(1000), 1, 1, 1000, 1000)[0] == p.mask(1000)).all())
+        >>> bool((create_mask(p.mask_mod(1000), 1, 1, 1000, 1000, device="cpu")[0] == p.mask(1000)).all())
         True
         >>> block_mask = create_block_mask(p.mask_mod(4096), None, None, 4096, 4096, device="cpu")
 
-        ``create_mask(p.mask_mod(n_q, n_k, heads), B, heads, n_q, n_k)`` equals ``p.mask(n_q, n_k, heads)``;
-        with call-time data it equals ``p.layout(..., same data).to_dense()``. See ``sparse_attn.flex``.
+        ``create_mask(p.mask_mod(n_q, n_k, heads), B, heads, n_q, n_k, device="cpu")`` equals
+        ``p.mask(n_q, n_k, heads)``; with call-time data it equals ``p.layout(..., same data).to_dense()``. See
+        ``sparse_attn.flex``.
         """
         from .flex import mask_mod  # here, not at module level: it imports torch
 

@@ -40,14 +40,24 @@ def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, 
 def run_backend(backend, q, k, v, layout, grad_out, grad_lse=None, **call):
     """out, lse, dq, dk, dv of one backend on copies of q, k, v: the gradients of (out * grad_out).sum(), plus
     (lse * grad_lse).sum() over the finite lse when ``grad_lse`` is given; ``call``: more sparse_attention
-    arguments."""
+    arguments. backend="triton" runs on DEVICE (the GPU, else Triton's interpreter on the CPU): tensors go there
+    and the five results come back to q's device."""
+    home = q.device
+    if backend == "triton":
+        q, k, v, grad_out, grad_lse, layout = (_to(x, DEVICE) for x in (q, k, v, grad_out, grad_lse, layout))
+        call = {name: _to(value, DEVICE) for name, value in call.items()}
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = sparse_attention(q, k, v, layout, backend=backend, return_lse=True, **call)
     loss = (out.double() * grad_out).sum()
     if grad_lse is not None:
         loss = loss + (torch.where(torch.isinf(lse), 0, lse).double() * grad_lse).sum()
     loss.backward()
-    return out, lse, q.grad, k.grad, v.grad
+    return tuple(t.to(home) for t in (out, lse, q.grad, k.grad, v.grad))
+
+
+def _to(x, device):
+    """A tensor or BlockLayout on ``device``; anything else as it is."""
+    return x.to(device) if isinstance(x, (torch.Tensor, sa.BlockLayout)) else x
 
 
 def dense_baseline(q, k, v, layout, grad_out):

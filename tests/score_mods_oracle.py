@@ -25,8 +25,9 @@ from __future__ import annotations
 import torch
 
 
-def oracle(q, k, v, mask, scale, softcap=None, alibi_slopes=None, sinks=None):
-    """(out, lse) in float64: out (B, Hq, Nq, D), lse (B, Hq, Nq).
+def oracle(q, k, v, mask, scale, softcap=None, alibi_slopes=None, sinks=None, dtype=torch.float64):
+    """(out, lse) in ``dtype``: out (B, Hq, Nq, D), lse (B, Hq, Nq). float64 is the oracle; a kernel's dtype gives
+    the tolerance rule's baseline, the same computation done by torch in that dtype.
 
     q (B, Hq, Nq, D); k, v (B or 1, Hkv, Nk, D); mask: bool, broadcastable to (B, Hq, Nq, Nk), True =
     allowed (``pattern.mask(n_q, n_k, heads)``, ``layout.to_dense()``); alibi_slopes (Hq,) or (B, Hq);
@@ -34,21 +35,21 @@ def oracle(q, k, v, mask, scale, softcap=None, alibi_slopes=None, sinks=None):
     batch, q_heads, n_q, _ = q.shape
     n_k = k.shape[2]
     group = q_heads // k.shape[1]
-    q = q.double()
-    k = k.double().repeat_interleave(group, dim=1).expand(batch, -1, -1, -1)      # (B, Hq, Nk, D)
-    v = v.double().repeat_interleave(group, dim=1).expand(batch, -1, -1, -1)      # (B, Hq, Nk, D)
+    q = q.to(dtype)
+    k = k.to(dtype).repeat_interleave(group, dim=1).expand(batch, -1, -1, -1)      # (B, Hq, Nk, D)
+    v = v.to(dtype).repeat_interleave(group, dim=1).expand(batch, -1, -1, -1)      # (B, Hq, Nk, D)
     mask = torch.as_tensor(mask, dtype=torch.bool).expand(batch, q_heads, n_q, n_k)
     s = scale * (q @ k.transpose(-1, -2))                                         # (B, Hq, Nq, Nk)
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
-        slope = alibi_slopes.double().reshape(-1, q_heads)[:, :, None, None]      # (B or 1, Hq, 1, 1)
+        slope = alibi_slopes.to(dtype).reshape(-1, q_heads)[:, :, None, None]      # (B or 1, Hq, 1, 1)
         i = torch.arange(n_q, device=s.device)[:, None] + (n_k - n_q)
         j = torch.arange(n_k, device=s.device)[None, :]
-        s = s - slope * (i - j).abs().double()
+        s = s - slope * (i - j).abs().to(dtype)
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:                       # one more "key" per row: logit sink_h, value 0
-        sink = sinks.double()[None, :, None, None].expand(batch, q_heads, n_q, 1)
+        sink = sinks.to(dtype)[None, :, None, None].expand(batch, q_heads, n_q, 1)
         s = torch.cat([s, sink], dim=-1)                                          # (B, Hq, Nq, Nk + 1)
         v = torch.cat([v, v.new_zeros(batch, q_heads, 1, v.shape[-1])], dim=2)    # (B, Hq, Nk + 1, D)
     return _softmax_attention(s, v)

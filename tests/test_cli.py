@@ -199,7 +199,7 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(args):
 def test_bench_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "bench"
     proc = run("bench", "--lengths", "256", "512", "--patterns", "longformer", "--backends", "sparse_attn-reference",
-               "sdpa-dense", "--repeats", "1", "--out", str(out), "--no-progress")
+               "sdpa-dense", "--repeats", "1", "--out", str(out), "--no-progress", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["versions"]["torch"] and len(results["load_average_start"]) == 3

@@ -20,6 +20,8 @@ from sparse_attn.bench import peers
 # Triton runs on CPU tensors in its interpreter (tests/conftest.py), but it must be installed.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
+without_a_gpu = pytest.mark.skipif(torch.cuda.is_available(),
+                                   reason="checks what the script does on a machine without a GPU")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
 _spec = importlib.util.spec_from_file_location("gpu_kernels", SCRIPT)
 gk = importlib.util.module_from_spec(_spec)
@@ -285,6 +287,7 @@ def test_main_saves_resumes_draws_and_stops_with_a_fake_gpu(monkeypatch, tmp_pat
     assert "replacing" in capsys.readouterr().out
 
 
+@without_a_gpu
 def test_main_refuses_without_cuda_and_writes_nothing(tmp_path):
     assert not torch.cuda.is_available()
     with pytest.raises(SystemExit) as stop:
@@ -293,6 +296,7 @@ def test_main_refuses_without_cuda_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@without_a_gpu
 def test_a_failing_point_is_a_row_not_a_crash():
     assert gk.measure("flex-128", "bigbird-itc", 128, 2, 256) == row(
         "flex-128", "bigbird-itc", 128, 2, 256, error="AssertionError: Torch not compiled with CUDA enabled")
@@ -332,6 +336,7 @@ def test_masked_sdpa_attends_where_the_pattern_allows(pattern, monkeypatch):
 
 
 @needs_triton
+@without_a_gpu
 def test_flex_compiles_afresh_for_every_point_and_matches_triton(monkeypatch):
     """Past recompile_limit shapes Dynamo would run flex_attention eagerly; peers.compiled_flex resets its cache
     each time, and fullgraph=True would raise instead of falling back. Eager backend, CPU, interpreter."""

@@ -19,7 +19,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert not out.exists()
     assert "check(out)" in printed and "profile(out)" in printed
-    assert "tests/test_triton_backend.py tests/test_nn.py" in printed and "gpu_pytest.log" in printed
+    assert "-m pytest -n 12 -v" in printed and "gpu_pytest.log" in printed and "pytest_summary(out)" in printed
     assert f"benchmarks/triton_tune.py --resume --budget-s 480 --out {out}" in printed
     assert f"benchmarks/gpu_kernels.py --resume --budget-s 480 --out {out}" in printed
 
@@ -59,7 +59,24 @@ def test_a_stage_runs_every_step_and_returns_the_first_failure(tmp_path, capsys)
     assert printed.count("[exit ") == 5 and "[exit 5 after" in printed
 
 
+def test_pytest_summary_names_what_failed_and_counts_what_ran_of_a_stopped_run(tmp_path, capsys):
+    (tmp_path / "gpu_pytest.log").write_text(
+        "bringing up nodes...\n"
+        "[gw0] [  1%] PASSED tests/test_a.py::test_one \n"
+        "[gw1] [  2%] FAILED tests/test_b.py::test_two[x-y] \n"
+        "[gw1] [  3%] SKIPPED tests/test_b.py::test_three \n"
+        "[gw2] node down: Not properly terminated\n"
+        "[gw3] [  4%] FAILED tests/test_b.py::test_two[x-y] \n")
+    gs.pytest_summary(tmp_path)
+    expected = ("failed: tests/test_b.py::test_two[x-y]\nPASSED 1  FAILED 2  ERROR 0  SKIPPED 1  XFAIL 0\n"
+                "workers crashed: 1\n")
+    assert (tmp_path / "gpu_pytest_summary.txt").read_text() == expected == capsys.readouterr().out
+
+
 def test_refuses_without_cuda_and_without_out(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)                # as on a machine without a GPU
     with pytest.raises(SystemExit, match="needs a CUDA GPU|runs on a CUDA GPU"):
         gs.main(["tests", "--out", str(tmp_path)])
     monkeypatch.delenv("OUT", raising=False)

@@ -58,8 +58,8 @@ def run(backend, q, k, v, layout, expand=False):
     kk, vv = (t.expand(q.shape[0], -1, -1, -1) for t in (k, v)) if expand else (k, v)
     out, lse = sparse_attention(q, kk, vv, layout, backend=backend, return_lse=True)
     gen = torch.Generator().manual_seed(1)
-    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
-    w_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).to(lse.dtype)
+    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device, out.dtype)
+    w_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).to(lse.device, lse.dtype)
     loss = (out * w_out).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * w_lse).sum()
     loss.backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
@@ -101,7 +101,7 @@ def test_numba_float32_within_tolerance_rule(name):
 
 @pytest.mark.parametrize("name", ["padding-and-globals"])
 def test_triton_within_tolerance_rule(name):
-    """Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU)."""
+    """On the GPU, else Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU)."""
     pytest.importorskip("triton", reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
     device = "cuda" if torch.cuda.is_available() else "cpu"
     (q, k, v), layout = make_case(name, torch.float32)

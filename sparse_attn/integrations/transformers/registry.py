@@ -97,6 +97,8 @@ def own_patterns(config) -> list[Pattern] | None:
     if config is None or not hasattr(config, "get_text_config"):
         return None
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(layer_kwargs, dict):             # transformers 5.17 and older: one dict that every layer shares
+        layer_kwargs = [layer_kwargs] * len(layer_types)
     if "sliding_attention" not in layer_types or not set(layer_types) <= {"sliding_attention", "full_attention"}:
         return None
     return [Local(kwargs["sliding_window"] - 1, 0) if kind == "sliding_attention" else Dense()
