@@ -568,21 +568,23 @@ def test_float32_softcap_pass_is_a_packed_loop():
 def test_a_panel_past_the_band_computes_only_the_global_rows():
     """Query block 0 of `Local(20) | Global(first=3)` over 1,300 keys, blocks of 64: its first panel holds the band
     (every row); the panel after it holds only tiles whose allowed rows are the 3 global ones, so only those rows
-    are computed there. A band row block's one panel needs every row."""
+    are computed there. A band row block's one panel needs every row. The backward walks key blocks: key block 0's
+    panels past the band compute its 3 global keys alone."""
     layout = (sa.Local(20) | sa.Global(first=3)).layout(1300, block_size=64)
     rows = bundles.block_index(*layout.index[:6], transposed=False)
+    columns = bundles.block_index(*layout.index[6:], layout.index.masks, transposed=True)
     per_panel = panels.PANEL_KEYS // 64
     scratch = bundles.Panel(np.empty(per_panel, np.int64), np.empty(per_panel, np.int64))
 
-    def row_windows(query_block):
-        found, rest = [], bundles.segment(rows, 0, 0, query_block)
+    def row_windows(index, block):
+        found, rest = [], bundles.segment(index, 0, 0, block)
         while panels.has_blocks(rest):
             count, rest = panels.next_panel(rest, scratch, per_panel)
-            found.append(panels.panel_rows(scratch.tiles, count, rows.row_spans, 64))
+            found.append(panels.panel_rows(scratch.tiles, count, index.row_spans, 64))
         return found
 
-    assert 1300 > panels.PANEL_KEYS and row_windows(0) == [(0, 64), (0, 3)]
-    assert row_windows(10) == [(0, 64)]
+    assert 1300 > panels.PANEL_KEYS and row_windows(rows, 0) == [(0, 64), (0, 3)] == row_windows(columns, 0)
+    assert row_windows(rows, 10) == [(0, 64)] == row_windows(columns, 10)
 
 
 ROW_WINDOW_CASES = {  # pattern, n, modifiers: global rows at the start and at the end of a row block, modifiers on

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .bf16 import add_grads, grad_operands, head_backward, release_tiles, scores_t, to_float
+from .bf16 import add_grads, grad_operands, head_backward, release_tiles, row_window, scores_t, to_float
 from .bundles import BackwardScratch, Incoming, KeyBlock, query_examples, segment
 from .exact import exact_dk_dv
 from .lowlevel import FASTMATH, copy_into, exp2
@@ -25,6 +25,7 @@ from .panels import (
     has_blocks,
     mask_panel,
     next_panel,
+    panel_rows,
     panel_scratch,
     panel_view,
     panel_width,
@@ -111,8 +112,9 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
     """One key block against one query head: adds to key_block.dk, .dv (cols, D) and to the head's
     dq (Nq, D). q (Nq, D), result and incoming: the query head's rows; maxima: its queries whose row
     maximum is in this key block; query_blocks: the key block's Segment; ops: the bf16 operands or None;
-    head: the query head's HeadModifiers, or None (with softcap, dS of the capped scores times 1 - tanh^2)."""
-    cols = key_block.k.shape[0]
+    head: the query head's HeadModifiers, or None (with softcap, dS of the capped scores times 1 - tanh^2).
+    A panel computes only the keys its blocks allow (past the band, the global key block of Longformer
+    allows its global keys alone): the KeyBlock of those keys."""
     n_q = q.shape[0]
     block_size, panel, scale = config.block_size, scratch.panel, config.scale
     zero = scale - scale
@@ -120,33 +122,39 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
     rest = query_blocks
     while has_blocks(rest):
         count, rest = next_panel(rest, panel, config.panel_blocks)
+        pinned, e = _panel_maxima(panel.blocks, count, block_size, maxima, e, scratch.pins)
+        r0, r1 = panel_rows(panel.tiles, count, columns.row_spans, key_block.k.shape[0])    # the keys allowed
+        r0, r1 = row_window(ops, r0, r1, key_block.k.shape[0])                 # (the panel's maxima among them)
+        if r0 >= r1:
+            continue
+        keys = KeyBlock(key_block.start + r0, key_block.k[r0:r1], key_block.v[r0:r1], key_block.dk[r0:r1],
+                        key_block.dv[r0:r1])
+        cols = r1 - r0
         width = panel_width(panel.blocks, count, block_size, n_q)
         st = panel_view(scratch.scores, cols, width)                                 # (cols, W) = S.T
         dpt = panel_view(scratch.dscores, cols, width)                               # (cols, W) = dP.T
         dcap = panel_view(scratch.dcap, cols, width)                                 # (cols, W): 1 - tanh^2
-        pinned, e = _panel_maxima(panel.blocks, count, block_size, maxima, e, scratch.pins)
         t = 0
         while t < count:                                                         # run by run of query blocks
             end, i0, n = run_at(panel.blocks, t, count, block_size, n_q)
             lo, hi = run_span(t, end, n, panel.tiles, columns.spans)            # the mask sets st elsewhere
             off = t * block_size
             q0, q1 = i0 + lo, i0 + hi                                            # S.T with the forward's alpha
-            scores_t(ops, config.base2_scale, key_block, q, incoming.dout, q0, q1, st[:, off + lo:off + hi],
+            scores_t(ops, config.base2_scale, keys, q, incoming.dout, q0, q1, st[:, off + lo:off + hi],
                      dpt[:, off + lo:off + hi])
-            modify_t(head, st, off + lo, off + hi, key_block.start, q0, dcap)
+            modify_t(head, st, off + lo, off + hi, keys.start, q0, dcap)
             dpt[:, off:off + lo] = 0                                             # masked: P = 0 there
             dpt[:, off + hi:off + n] = 0
             copy_into(scratch.row_max[off:off + n], result.row_max[i0:i0 + n])
             copy_into(scratch.log2_sum[off:off + n], result.log2_sum[i0:i0 + n])
             copy_into(scratch.delta[off:off + n], incoming.delta[i0:i0 + n])
             t = end
-        mask_panel(st, panel.tiles, count, block_size, columns.masks, True, 0)
-        exact_near_max_t(st, q, key_block.k, panel.blocks, block_size, config.base2_scale, scratch, head,
-                          key_block.start)
-        _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, key_block.start)
+        mask_panel(st, panel.tiles, count, block_size, columns.masks, True, r0)
+        exact_near_max_t(st, q, keys.k, panel.blocks, block_size, config.base2_scale, scratch, head, keys.start)
+        _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, keys.start)
         _grad_scores_t(st, dpt, scratch.row_max[:width], scratch.log2_sum[:width], scratch.delta[:width],
                        zero)                                                     # st = dS.T, dpt = P.T
-        _max_pair_grads(st, dpt, scratch.pins, pinned, result, incoming, key_block)
+        _max_pair_grads(st, dpt, scratch.pins, pinned, result, incoming, keys)
         chain_softcap(head, st, dcap)
         grad_operands(ops, st, dpt, scale)
         t = 0
@@ -154,7 +162,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             end, i0, n = run_at(panel.blocks, t, count, block_size, n_q)
             lo, hi = run_span(t, end, n, panel.tiles, columns.spans)
             q0, q1, c0, c1 = i0 + lo, i0 + hi, t * block_size + lo, t * block_size + hi
-            add_grads(ops, scale, key_block, st, dpt, c0, c1, q, incoming.dout, q0, q1, dq)  # dv, dk, dq
+            add_grads(ops, scale, keys, st, dpt, c0, c1, q, incoming.dout, q0, q1, dq)  # dv, dk, dq
             t = end
 
 

@@ -344,8 +344,8 @@ def _scores(ops, alpha, q, k, lo, hi, s):
 
 
 def row_window(ops, r0, r1, rows):
-    """Forward: the rows [r0, r1) of a query block a panel computes: as given in float32/float64; all ``rows``
-    with bf16 operands (packed for the whole block)."""
+    """The rows [r0, r1) of a block that a panel computes (the forward's queries, the backward's keys): as given
+    in float32/float64; all ``rows`` with bf16 operands (packed for the whole block)."""
 
 
 @overload(row_window)

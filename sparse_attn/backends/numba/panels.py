@@ -100,8 +100,8 @@ def panel_view(buffer, rows, width):
 @njit(cache=True, fastmath=FASTMATH)
 def mask_panel(s, tiles, count, block_size, masks, transposed, row0):
     """-inf where a partial block's tile is False. s: (rows, W) scores of the panel's blocks
-    along columns, for the block's rows from ``row0`` on; ``transposed``: s is (cols of one key block, W)
-    with the panel's blocks being query blocks, so tile[i, j] applies to s[j, offset + i] (row0 0)."""
+    along columns, for the block's rows from ``row0`` on; ``transposed``: s is (keys of one key block, W)
+    with the panel's blocks being query blocks, so tile[i, row0 + j] applies to s[j, offset + i]."""
     rows, width = s.shape
     for t in range(count):
         tile_id = tiles[t]
@@ -113,7 +113,7 @@ def mask_panel(s, tiles, count, block_size, masks, transposed, row0):
         if transposed:
             for j in range(rows):
                 for i in range(n):
-                    s[j, off + i] = s[j, off + i] if tile[i, j] else -np.inf
+                    s[j, off + i] = s[j, off + i] if tile[i, row0 + j] else -np.inf
         else:
             for i in range(rows):
                 for j in range(n):
