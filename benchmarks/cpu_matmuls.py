@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import sys
@@ -101,8 +102,7 @@ def measure(repeats: int) -> list[dict]:
             o = np.zeros((ROWS, DIM), np.float32)
             flops = 2 * ROWS * DIM * width
             for ld in (N, N + 16) if name == "brgemm" else (None,):
-                kt = kts[ld or N]
-                call = lambda kt=kt, ld=ld: scores(q, k[:width], kt, ld, s)           # noqa: E731
+                call = functools.partial(scores, q, k[:width], kts[ld or N], ld, s)
                 call()
                 assert np.allclose(s, q @ k[:width].T, rtol=1e-4, atol=1e-3), (name, width, "scores")
                 rows.append({"route": name, "product": "S = Q K^T", "width": width, "ld_b": ld,
@@ -111,15 +111,21 @@ def measure(repeats: int) -> list[dict]:
             pv(p, v[:width], o)
             assert np.allclose(o, p @ v[:width], rtol=1e-4, atol=1e-2), (name, width, "pv")
             rows.append({"route": name, "product": "O += P V", "width": width, "ld_b": None,
-                         "gflops": flops / _seconds_per_call(lambda: pv(p, v[:width], o), repeats) / 1e9})
+                         "gflops": flops / _seconds_per_call(functools.partial(pv, p, v[:width], o), repeats) / 1e9})
     return rows
+
+
+def _loads(averages) -> str:
+    """A load average triple as the record holds it (a tuple in the run, a list in the JSON) in one form."""
+    return "/".join(f"{x:g}" for x in averages)
 
 
 def markdown(record: dict) -> str:
     lines = ["# The Numba kernels' float32 matmul shapes on one core", "", f"`{record['command']}`", "",
              f"Machine: {record['machine']['cpu']}, {record['machine']['cores']} cores, torch "
              f"{record['machine']['torch']}, scipy {record['machine']['scipy']}; load average "
-             f"{record['machine']['loadavg_before']} before, {record['loadavg_after']} after. One thread. 64 query "
+             f"{_loads(record['machine']['loadavg_before'])} before, {_loads(record['loadavg_after'])} after. One "
+             f"thread. 64 query "
              f"rows, head dim 64, W keys; GFLOP/s, median of {record['repeats']} batches of {CALLS} calls.", "",
              "| product | W | openblas | mkl | brgemm (ld N) | brgemm (ld N + 16) |", "|---|---:|---:|---:|---:|---:|"]
     cell = {(r["route"], r["product"], r["width"], r["ld_b"]): r["gflops"] for r in record["rows"]}
@@ -142,8 +148,8 @@ def main() -> None:
     torch.set_num_threads(1)
     blas = scipy_openblas()
     blas.scipy_openblas_set_num_threads(1)
-    record = {"machine": header(["torch", "scipy", "numpy"]), "repeats": args.repeats,
-              "command": "python benchmarks/cpu_matmuls.py" + ("" if args.repeats == 7 else f" --repeats {args.repeats}")}
+    command = "python benchmarks/cpu_matmuls.py" + ("" if args.repeats == 7 else f" --repeats {args.repeats}")
+    record = {"machine": header(["torch", "scipy", "numpy"]), "repeats": args.repeats, "command": command}
     record["rows"] = measure(args.repeats)
     record["loadavg_after"] = machine.load_average()
     print(write_results(args.out, "cpu_matmuls", record, markdown))
