@@ -124,7 +124,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
         count, rest = next_panel(rest, panel, config.panel_blocks)
         pinned, e = _panel_maxima(panel.blocks, count, block_size, maxima, e, scratch.pins)
         r0, r1 = panel_rows(panel.tiles, count, columns.row_spans, key_block.k.shape[0])    # the keys allowed
-        r0, r1 = row_window(ops, r0, r1, key_block.k.shape[0])                 # (the panel's maxima among them)
+        r0, r1 = row_window(ops, r0, r1, key_block.k.shape[0])                 # every key with bf16 operands
         if r0 >= r1:
             continue
         keys = KeyBlock(key_block.start + r0, key_block.k[r0:r1], key_block.v[r0:r1], key_block.dk[r0:r1],
