@@ -48,6 +48,7 @@ import sparse_attn as sa
 from sparse_attn import machine
 from sparse_attn.api import sparse_attention
 from sparse_attn.backends.numba import bf16 as numba_bf16
+from sparse_attn.backends.numba.lowlevel import matmul_blas
 from sparse_attn.bench import peers
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results
@@ -256,13 +257,19 @@ def _target_lines(results, mm_gflops) -> list[str]:
     return lines
 
 
+def _blas(where: dict) -> str:
+    """", float32 matmuls on MKL (from torch)" where the record names numba's BLAS (runs before it: scipy's)."""
+    return f", float32 matmuls on {where['numba_blas']}" if "numba_blas" in where else ""
+
+
 def markdown(record: dict) -> str:
     m = record["machine"]
     lines = [
         "# CPU kernels: numba vs FlexAttention, reference and dense SDPA, float32 and bfloat16", "",
         f"`{record['command']}`", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-        f"numba {m['numba']} ({m['numba_threads']} threads); load average {tuple(m['loadavg_before'])} before, "
+        f"numba {m['numba']} ({m['numba_threads']} threads{_blas(m)}); "
+        f"load average {tuple(m['loadavg_before'])} before, "
         f"{tuple(m['loadavg_after'])} after, before each N: "
         + ", ".join(f"{n}: {tuple(round(x, 2) for x in load)}" for n, load in record["loadavg_by_n"].items())
         + " (the machine is shared: compare ratios within this run).", "",
@@ -350,7 +357,7 @@ def main() -> None:
         return
     lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
     where = {**header(("torch", "numba")), "torch_threads": torch.get_num_threads(),
-             "numba_threads": numba.get_num_threads()}
+             "numba_threads": numba.get_num_threads(), "numba_blas": matmul_blas().name}
     results, rates, load_by_n = run_sizes(lengths, args.impls, repeats, pattern)
     scale = [] if args.quick or args.no_scale else run_scale_points(args.pattern)
     where["loadavg_after"] = machine.load_average()

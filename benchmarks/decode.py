@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 import sparse_attn as sa
 from sparse_attn import machine
+from sparse_attn.backends.numba.lowlevel import matmul_blas
 from sparse_attn.bench.harness import run_json
 from sparse_attn.bench.results import header, write_results
 
@@ -413,7 +414,8 @@ def markdown(record: dict) -> str:
     lines = [
         "# Decoding in bounded memory", "",
         f"`{record['command']}`", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, numba {m['numba']}, transformers "
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, numba {m['numba']}"
+        + (f" (float32 matmuls on {m['numba_blas']})" if "numba_blas" in m else "") + ", transformers "
         f"{m['transformers']}; load average {m['loadavg_before']} before, {m['loadavg_after']} after (the machine "
         f"is shared: compare within this run). Wall time {record['wall_s']:.0f} s.", "",
         "## One decode step", "",
@@ -518,7 +520,7 @@ def main() -> None:
         return
     if args.quick:
         args.n, args.rounds, args.steps, args.generate_tokens, args.equality_tokens = [4096, 8192], 1, 8, 512, 400
-    where = header(("torch", "numba", "transformers"))
+    where = {**header(("torch", "numba", "transformers")), "numba_blas": matmul_blas().name}
     started = time.perf_counter()
     decode = run_decode(sorted(args.n), args.dtypes, args.rounds, args.steps, args.limit)
     equality = _child(["equality", str(args.equality_tokens)], args.limit)

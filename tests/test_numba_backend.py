@@ -1,6 +1,7 @@
 """The Numba CPU backend against the reference backend: values, lse and gradients."""
 from __future__ import annotations
 
+import ctypes
 import doctest
 import json
 import os
@@ -470,7 +471,51 @@ def test_non_cpu_tensors_are_refused():
 
 def test_available():
     ok, reason = numba_backend.available()
-    assert ok and "numba" in reason
+    blas = lowlevel.matmul_blas().name
+    assert ok and "numba" in reason and f"matmuls on {blas}" in reason
+    wanted = os.environ.get(lowlevel.BLAS_VARIABLE)
+    assert not wanted or blas == {"torch": "MKL (from torch)", "scipy": "scipy's BLAS"}[wanted]
+
+
+def test_matmuls_on_torchs_mkl_where_torch_exports_it():
+    if os.environ.get(lowlevel.BLAS_VARIABLE) or lowlevel.torch_cpu_exports("sgemm_") is None:
+        pytest.skip(f"{lowlevel.BLAS_VARIABLE} is set, or this torch exports no MKL")
+    assert lowlevel.matmul_blas().name == "MKL (from torch)"
+
+
+@pytest.mark.parametrize("value", ["mkl", "openblas", "Torch"])
+def test_unknown_blas_choice_is_refused(monkeypatch, value):
+    monkeypatch.setenv(lowlevel.BLAS_VARIABLE, value)
+    lowlevel.matmul_blas.cache_clear()
+    try:
+        ok, reason = numba_backend.available()
+    finally:
+        monkeypatch.undo()
+        lowlevel.matmul_blas.cache_clear()
+    assert not ok and f"{lowlevel.BLAS_VARIABLE}={value!r}" in reason and "'torch'" in reason and "'scipy'" in reason
+
+
+def test_scipy_blas_passes_the_oracle_tests():
+    """The BLAS where torch exports none (macOS, aarch64 wheels), chosen by SPARSE_ATTN_NUMBA_BLAS=scipy:
+    this file's float64 and float32 oracle tests, in a process that takes it."""
+    env = dict(os.environ, **{lowlevel.BLAS_VARIABLE: "scipy"})
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "float64_matches_reference or float32_within_tolerance_rule or test_available"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"\n{2 * len(CASES) + 1} passed" in run.stdout, run.stdout[-1000:]
+
+
+def test_workers_restore_the_threads_blas_setting():
+    """The kernels' workers set MKL to one thread on their own thread and restore the setting after: the
+    calling thread (a worker too) is back at 0 (MKL's "the process's count") after forward and backward."""
+    if lowlevel.matmul_blas().name != "MKL (from torch)":
+        pytest.skip("the kernels call scipy's BLAS here (its thread count is process-wide: KernelSection)")
+    set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lowlevel.matmul_blas().threads_local)
+    q = torch.randn(1, 2, 300, 16, requires_grad=True)
+    out = sparse_attention(q, q, q, sa.Local(40).layout(300, heads=2, block_size=64), backend="numba")
+    out.sum().backward()
+    assert set_local(0) == 0
 
 
 _CONCURRENT_CALLS = r"""

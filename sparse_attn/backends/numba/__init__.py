@@ -64,8 +64,8 @@ what a block and a panel can hold in this sequence, however large ``block_size``
 ``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D). Gradients and dQ buffers are
 zeroed inside the kernel by the worker that owns them.
 
-Matmuls call BLAS ?gemm directly (the binding Numba's ``np.dot`` uses), with alpha, beta and
-transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm
+Matmuls call BLAS ?gemm directly (MKL where torch exports it, else scipy's BLAS: ``lowlevel.matmul_blas``),
+with alpha, beta and transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm
 through torch (``bf16``: the kernels call its functions, which are these gemm calls when
 their first argument, the bf16 operands, is None).
 

@@ -17,7 +17,6 @@ import math
 import numba
 import numpy as np
 import torch
-from numba.np.linalg import ensure_blas
 
 from ...layout import BlockLayout, KernelIndex
 from ...score_mods import NO_MODS, ScoreMods
@@ -27,7 +26,7 @@ from .bf16 import native as native_bf16
 from .bundles import Config, ForwardResult, Gradients, Incoming, block_index
 from .exact import exact_dq_rows
 from .forward import forward_kernel
-from .lowlevel import KERNELS
+from .lowlevel import KERNELS, matmul_blas
 from .mods import call_modifiers
 from .panels import PANEL_KEYS, panel_capacity
 from .schedule import heaviest_first, static_schedule, task_costs
@@ -39,12 +38,12 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def available() -> tuple[bool, str]:
     try:
-        ensure_blas()                                    # the kernels' matmuls call scipy's BLAS
-    except ImportError as error:
-        return False, f"backend='numba' needs scipy (its BLAS): {error}"
+        blas = matmul_blas()
+    except ValueError as error:
+        return False, f"backend='numba' has no BLAS for its matmuls: {error}"
     bf16, why = native_bf16()
-    return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads; bfloat16: " + (
-        why if bf16 else f"computed in float32 ({why})")
+    return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads; matmuls on {blas.name}; " \
+                 f"bfloat16: " + (why if bf16 else f"computed in float32 ({why})")
 
 
 def check(q, k, v, layout: BlockLayout) -> None:

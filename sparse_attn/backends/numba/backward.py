@@ -17,7 +17,7 @@ from numba import njit, prange
 from .bf16 import add_grads, grad_operands, head_backward, release_tiles, row_window, scores_t, to_float
 from .bundles import BackwardScratch, Incoming, KeyBlock, query_examples, segment
 from .exact import exact_dk_dv
-from .lowlevel import FASTMATH, copy_into, exp2
+from .lowlevel import FASTMATH, copy_into, exp2, set_blas_threads_local
 from .mods import chain_softcap, head_modifiers, modify_t
 from .near_max import exact_near_max_t
 from .panels import (
@@ -71,8 +71,8 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
     """Worker w's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
     there; each task (example e of k, v, kv head g, key block c) zeroes and then accumulates its own
     rows of grads.dk and grads.dv, over every query example that reads them (all B where k, v have
-    batch 1), and recomputes by the exact path the keys whose result is not finite. Then it hands back
-    the AMX tiles it may hold."""
+    batch 1), and recomputes by the exact path the keys whose result is not finite. BLAS runs on one
+    thread; then the worker hands back the AMX tiles it may hold and restores the thread's BLAS setting."""
     q, k, v = qkv
     batch, heads, n_q = q.shape[0], q.shape[1], q.shape[2]
     kv_batch, kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
@@ -80,6 +80,7 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
     n_kb = columns.full_ptr.shape[2] - 1
     block_size = config.block_size
     maxima_ptr, maxima_queries = maxima
+    blas_threads = set_blas_threads_local(np.int32(1))      # BLAS on this thread only: see KernelSection
     scratch = _backward_scratch(grads.dq, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
     dq.reshape(-1)[:] = 0
     for task in tasks:
@@ -105,6 +106,7 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
                 copy_into(grads.dk[e, g, j], dk_j)
                 copy_into(grads.dv[e, g, j], dv_j)
     release_tiles(ops)
+    set_blas_threads_local(blas_threads)
 
 
 @njit(cache=True, fastmath=FASTMATH)

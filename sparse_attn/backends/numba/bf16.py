@@ -21,7 +21,6 @@ kernels have one body for both.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from typing import NamedTuple
@@ -34,7 +33,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .lowlevel import FASTMATH, gemm
+from .lowlevel import FASTMATH, gemm, torch_cpu_exports
 
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
 #                             float* C, bool is_vnni): C (M, N) (+)= A (M, K) @ B, B packed (K/2, ld_b, 2)
@@ -51,13 +50,7 @@ ROW_MULTIPLE = 256  # pairs_t's rows are padded to a multiple of this
 @functools.cache
 def _addresses() -> dict[str, int] | None:
     """The addresses of torch's bf16 brgemm and brgemm_release, or None where this torch does not export them."""
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        # a symbol getattr found has a non-null address
-        return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # type: ignore[misc]
-                for name in (_BRGEMM, _BRGEMM_RELEASE)}
-    except (OSError, AttributeError):                    # another platform's library name, or no such symbol
-        return None
+    return torch_cpu_exports(_BRGEMM, _BRGEMM_RELEASE)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from numba import njit, prange
 from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
-from .lowlevel import FASTMATH, exp2, fetch_add
+from .lowlevel import FASTMATH, exp2, fetch_add, set_blas_threads_local
 from .mods import head_modifiers, modify, position, shifted
 from .near_max import exact_near_max, large_logits
 from .panels import (
@@ -51,12 +51,14 @@ def forward_kernel(qkv, ops, index, config, order, n_workers, result):
 @njit(cache=True, fastmath=FASTMATH)
 def _forward_worker(counter, w, qkv, ops, index, config, order, result):
     """Worker w: takes the next task from the counter until none is left. Task (example b, head h,
-    query block r) is _forward_block on those rows. Then it hands back the AMX tiles it may hold."""
+    query block r) is _forward_block on those rows, with BLAS on one thread. Then it hands back the AMX
+    tiles it may hold and restores the thread's BLAS setting."""
     q, k, v = qkv
     heads, n_q = q.shape[1], q.shape[2]
     group, n_k = heads // k.shape[1], k.shape[2]
     n_qb = index.full_ptr.shape[2] - 1
     block_size = config.block_size
+    blas_threads = set_blas_threads_local(np.int32(1))      # BLAS on this thread only: see KernelSection
     scratch = _forward_scratch(result.out, min(block_size, n_q), min(config.panel_blocks * block_size, n_k), config)
     while True:
         t = fetch_add(counter)
@@ -70,6 +72,7 @@ def _forward_worker(counter, w, qkv, ops, index, config, order, result):
                        head_forward(ops, w, b, e, h, h // group, rows), segment(index, b, h, r), index, config,
                        scratch, result_rows(result, b, h, rows), head_modifiers(config, b, h, rows.start))
     release_tiles(ops)
+    set_blas_threads_local(blas_threads)
 
 
 @njit(cache=True, fastmath=FASTMATH)

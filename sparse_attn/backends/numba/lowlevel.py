@@ -1,5 +1,6 @@
-"""What the Numba kernels stand on: BLAS ?gemm without temporaries, a vectorisable float32 ``exp2`` and ``tanh``,
-an atomic task counter, fastmath flags, and the process-wide BLAS thread setting around a call.
+"""What the Numba kernels stand on: BLAS ?gemm without temporaries (MKL from torch, else scipy's BLAS), a
+vectorisable float32 ``exp2`` and ``tanh``, an atomic task counter, fastmath flags, and BLAS kept to one
+thread per worker while kernels run.
 
 >>> import numpy as np
 >>> from sparse_attn.backends.numba.lowlevel import gemm
@@ -20,14 +21,15 @@ import glob
 import math
 import os
 import threading
+from typing import NamedTuple, cast
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
-from numba.np.linalg import check_blas_return
+from numba.extending import get_cython_function_address, intrinsic, overload
 
 # No 'nnan'/'ninf': -inf marks masked scores and empty rows, and NaN and inf in the inputs must
 # propagate. Code that tests for NaN/inf says fastmath=False: a function without its own flags
@@ -38,33 +40,126 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # ------------------------------------------------------------------------------------------------
 # Matmuls: BLAS ?gemm with alpha, beta and transposes
 # ------------------------------------------------------------------------------------------------
+# The kernels call these names; Numba's linker resolves them to the BLAS ``matmul_blas`` chose, registered
+# at import, before any kernel links. Cached kernels name only these, so they stay valid whichever BLAS a
+# later process takes.
+_SGEMM, _DGEMM, _THREADS_LOCAL = "sparse_attn_sgemm", "sparse_attn_dgemm", "sparse_attn_blas_threads_local"
+BLAS_VARIABLE = "SPARSE_ATTN_NUMBA_BLAS"
+
+
+class Blas(NamedTuple):
+    """A BLAS for the kernels' float32/float64 matmuls: its name, the addresses of its Fortran ``sgemm``
+    and ``dgemm`` (every argument by pointer, 32-bit ints), and of ``int threads_local(int n)``, which sets
+    the calling thread's BLAS thread count (0: the process's) and returns the previous one."""
+    name: str
+    sgemm: int
+    dgemm: int
+    threads_local: int
+
+
+def torch_cpu_exports(*names: str) -> dict[str, int] | None:
+    """The addresses of these symbols in torch's CPU library, or None where it does not export them all."""
+    import torch
+
+    for file in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", file))
+            return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names}  # type: ignore[misc]
+        except (OSError, AttributeError):                # another platform's file name, or no such symbol
+            continue
+    return None
+
+
+@cfunc(types.int32(types.int32), cache=True)
+def _threads_unchanged(n):
+    """The thread-local setter for a BLAS without one (scipy's: KernelSection sets its thread count)."""
+    return 0
+
+
+@functools.cache
+def matmul_blas() -> Blas:
+    """The BLAS the kernels' float32/float64 matmuls call: MKL where torch's CPU library exports it (Linux
+    x86-64 wheels; 1.2-1.6x OpenBLAS on the kernels' 64 x 64 x W products, docs/backend-numba.md), else
+    scipy's BLAS (OpenBLAS in its wheels). ``SPARSE_ATTN_NUMBA_BLAS=scipy`` (or ``torch``) picks one.
+    Raises ValueError for another value or a BLAS that is missing.
+
+    >>> blas = matmul_blas()
+    >>> blas.name in ("MKL (from torch)", "scipy's BLAS") and blas.sgemm != 0
+    True
+    """
+    wanted = os.environ.get(BLAS_VARIABLE, "")
+    if wanted not in ("", "torch", "scipy"):
+        raise ValueError(f"{BLAS_VARIABLE}={wanted!r} is not a BLAS for the numba backend: set it to 'torch' "
+                         f"(MKL from torch's CPU library) or 'scipy' (scipy's BLAS), or unset it")
+    if wanted != "scipy":            # MKL_Set_Num_Threads_Local takes n by value; mkl_set_num_threads_local by pointer
+        mkl = torch_cpu_exports("sgemm_", "dgemm_", "MKL_Set_Num_Threads_Local")
+        if mkl is not None:
+            return Blas("MKL (from torch)", mkl["sgemm_"], mkl["dgemm_"], mkl["MKL_Set_Num_Threads_Local"])
+        if wanted == "torch":
+            raise ValueError(f"{BLAS_VARIABLE}=torch, but this torch's CPU library exports no MKL sgemm_: "
+                             f"unset it to use scipy's BLAS")
+    try:
+        sgemm, dgemm = (get_cython_function_address("scipy.linalg.cython_blas", name) for name in ("sgemm", "dgemm"))
+    except ImportError as error:
+        raise ValueError(f"the numba backend's matmuls need scipy's BLAS here (torch exports none): {error}") from None
+    return Blas("scipy's BLAS", sgemm, dgemm, cast(int, _threads_unchanged.address))  # set once compiled
+
+
+def _register_blas() -> None:
+    """Point the kernels' BLAS names at ``matmul_blas()``; without one, ``backend.available()`` says why."""
+    try:
+        blas = matmul_blas()
+    except ValueError:
+        return
+    for name, address in ((_SGEMM, blas.sgemm), (_DGEMM, blas.dgemm), (_THREADS_LOCAL, blas.threads_local)):
+        llvm.add_symbol(name, address)
+
+
+_register_blas()
+
+
 @intrinsic
 def _xxgemm(typingctx, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    """Column-major BLAS ?gemm, c = alpha op(a) op(b) + beta c, through the binding Numba's np.dot
-    uses (``numba_xxgemm``: scipy's BLAS, found by name, so cached kernels stay valid)."""
+    """Column-major BLAS ?gemm, c = alpha op(a) op(b) + beta c, in the Fortran convention: every
+    argument by pointer (values in stack slots), ints as 32 bits."""
     def codegen(context, builder, signature, args):
         ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc = args
-        dtype = signature.args[11].dtype
-        char, void_p, intp = ir.IntType(8), ir.IntType(8).as_pointer(), context.get_value_type(types.intp)
-        fnty = ir.FunctionType(ir.IntType(32), [char, char, char, intp, intp, intp, void_p, void_p, intp,
-                                                void_p, intp, void_p, void_p, intp])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "numba_xxgemm")
+        sig = signature.args
+        dtype = sig[11].dtype
+        void_p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [void_p] * 13)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _SGEMM if dtype == types.float32 else _DGEMM)
+
+        def pointer_to(value):
+            return builder.bitcast(cgutils.alloca_once_value(builder, value), void_p)
+
+        def char(value):
+            return pointer_to(builder.trunc(value, ir.IntType(8)))
+
+        def int32(value):
+            return pointer_to(builder.trunc(value, ir.IntType(32)))
 
         def scalar(value, ty):
-            slot = cgutils.alloca_once_value(builder, context.cast(builder, value, ty, dtype))
-            return builder.bitcast(slot, void_p)
+            return pointer_to(context.cast(builder, value, ty, dtype))
 
         def data(value, ty):
             return builder.bitcast(context.make_array(ty)(context, builder, value).data, void_p)
 
-        kind = ir.Constant(char, ord("s" if dtype == types.float32 else "d"))
-        sig = signature.args
-        res = builder.call(fn, (kind, builder.trunc(ta, char), builder.trunc(tb, char), m, n, k,
-                                scalar(alpha, sig[5]), data(a, sig[6]), lda, data(b, sig[8]), ldb,
-                                scalar(beta, sig[10]), data(c, sig[11]), ldc))
-        check_blas_return(context, builder, res)
+        builder.call(fn, (char(ta), char(tb), int32(m), int32(n), int32(k), scalar(alpha, sig[5]), data(a, sig[6]),
+                          int32(lda), data(b, sig[8]), int32(ldb), scalar(beta, sig[10]), data(c, sig[11]), int32(ldc)))
         return context.get_dummy_value()
     return types.void(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc), codegen
+
+
+@intrinsic
+def set_blas_threads_local(typingctx, n):
+    """Sets the calling thread's BLAS thread count to n (an int32; 0: the process's) and returns the previous
+    setting: workers call it with 1 around their matmuls (see KernelSection). A no-op for scipy's BLAS."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32]), _THREADS_LOCAL)
+        return builder.call(fn, (args[0],))
+    return types.int32(types.int32), codegen
 
 
 _N, _T = ord("n"), ord("t")
@@ -196,6 +291,11 @@ def scipy_openblas():
     return None
 
 
+def _process_wide_blas():
+    """scipy's OpenBLAS where the kernels call it (its thread count is process-wide), else None."""
+    return scipy_openblas() if matmul_blas().name == "scipy's BLAS" else None
+
+
 def _layer_is_threadsafe() -> bool:
     """Whether Numba's threading layer takes parallel launches from several threads at once: omp
     and tbb do; workqueue aborts the process; before the first launch the layer is not chosen yet."""
@@ -209,9 +309,11 @@ class KernelSection:
     """``with KERNELS.running():`` around the parallel kernels of one call; safe from several threads.
 
     - The kernels call BLAS from every worker thread: a BLAS that also threads each call would
-      oversubscribe the cores (and OpenBLAS warns "Detect OpenMP Loop"), so scipy's OpenBLAS runs
-      on one thread while any call is inside. Its thread count is process-wide: the first call in
-      saves it and sets 1, the last one out restores it (a count under a lock).
+      oversubscribe the cores. MKL's count is set per thread: each worker sets 1 and restores it
+      (``set_blas_threads_local``; inside Numba's omp layer MKL also sees the parallel region).
+      scipy's OpenBLAS has only a process-wide count (and warns "Detect OpenMP Loop"): when the
+      kernels call it, it runs on one thread while any call is inside: the first call in saves
+      its count and sets 1, the last one out restores it (a count under a lock).
     - Numba's workqueue threading layer aborts the process when two threads launch parallel
       kernels at once: under it (and for the launch that picks the layer) calls run one at a time.
     """
@@ -232,7 +334,7 @@ class KernelSection:
                 self._leave()
 
     def _enter(self):
-        lib = scipy_openblas()
+        lib = _process_wide_blas()
         with self._lock:
             if self._inside == 0 and lib is not None:
                 self._blas_threads = lib.scipy_openblas_get_num_threads()
@@ -240,7 +342,7 @@ class KernelSection:
             self._inside += 1
 
     def _leave(self):
-        lib = scipy_openblas()
+        lib = _process_wide_blas()
         with self._lock:
             self._inside -= 1
             if self._inside == 0 and lib is not None:
