@@ -4,7 +4,8 @@
 
 C (M, N) float32 = A (M, K) @ B (K, N), M = 64 (a query block), candidates:
 
-- ``openblas-sgemm``: float32, scipy's OpenBLAS through ``numba_lowlevel.gemm`` (today's kernels);
+- ``openblas-sgemm``: float32 through ``lowlevel.gemm``, the kernels' float32 matmul: scipy's OpenBLAS when the
+  committed run was made; MKL since cc72d24 (``SPARSE_ATTN_NUMBA_BLAS=scipy`` times OpenBLAS again);
 - ``mkl-gemm_bf16bf16f32``: MKL's ``cblas_gemm_bf16bf16f32``, exported by libtorch_cpu;
 - ``onednn-brgemm``: ``at::native::cpublas::brgemm`` (oneDNN's ukernel; B packed in pairs of rows),
   exported by libtorch_cpu, through ``numba_bf16.brgemm`` as the kernels call it;
