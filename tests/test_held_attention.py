@@ -4,12 +4,15 @@ decode step on the numba backend takes it (no layout per step)."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sparse_attn as sa
 from sparse_attn.held_attention import dense_attention, held_mask
 from sparse_attn.kv_cache import SparseKVCache
 from sparse_attn.rules import Context, resolve
 from sparse_attn.score_mods import ScoreMods, alibi_bias
+from tests.strategies import patterns_for
 from tests.tolerance import FLOORS, assert_within_rule
 
 
@@ -91,6 +94,21 @@ def test_held_mask_is_the_rule_at_the_held_positions_or_none():
     assert mask[0].astype(int).tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 1, 1, 1, 0]]
     assert held_mask(rules, np.array([99]), held[:-1][[0, 1, 3, 4, 5, 6]]) is None           # all allowed
     assert not held_mask(rules, np.array([-1]), np.array([-3, -2, 0])).any()                  # padding positions
+
+
+@settings(max_examples=150, deadline=None)
+@given(pattern=patterns_for(3, 120), runs=st.lists(st.tuples(st.integers(0, 119), st.integers(1, 40)), min_size=1,
+                                                   max_size=4))
+def test_held_mask_is_none_exactly_where_the_rule_allows_every_pair(pattern, runs):
+    """Runs of consecutive held positions in any slot order (fixed tokens, a ring that wrapped, duplicates): the
+    mask is the rule's at those positions, and None exactly where it allows every pair."""
+    rules = [resolve(pattern, Context(3, 120, 0))]
+    held = np.concatenate([np.arange(start, min(start + length, 120)) for start, length in runs])
+    queries = np.arange(117, 120)                                            # the step's 3 queries, bottom-right
+    want = rules[0].allows(queries[:, None], held[None, :])
+    mask = held_mask(rules, queries, held)
+    assert (mask is None) == bool(want.all())
+    assert mask is None or np.array_equal(mask[0], want)
 
 
 def test_a_streaming_decode_step_on_numba_builds_no_layout():
