@@ -102,7 +102,7 @@ def matmul_blas() -> Blas:
         sgemm, dgemm = (get_cython_function_address("scipy.linalg.cython_blas", name) for name in ("sgemm", "dgemm"))
     except ImportError as error:
         raise ValueError(f"the numba backend's matmuls need scipy's BLAS here (torch exports none): {error}") from None
-    return Blas("scipy's BLAS", sgemm, dgemm, cast(int, _threads_unchanged.address))  # set once compiled
+    return Blas("scipy's BLAS", sgemm, dgemm, cast(int, _threads_unchanged.address))  # compiled at import
 
 
 def _register_blas() -> None:
