@@ -550,18 +550,21 @@ for t in threads:
 for t in threads:
     t.join()
 equal = all(torch.equal(a, b) for i, want in enumerate(expected) for got in results[i] for a, b in zip(got, want))
-print(json.dumps({"equal": equal, "layer": numba.threading_layer(),
+print(json.dumps({"equal": equal, "layer": numba.threading_layer(), "blas": lowlevel.matmul_blas().name,
                   "blas_threads": None if blas is None else blas.scipy_openblas_get_num_threads()}))
 """
 
 
-@pytest.mark.parametrize("layer", ["default", "workqueue"])
-def test_calls_from_several_threads(layer):
-    """Six threads running forward + backward at once get the single-threaded results; scipy's
-    OpenBLAS thread count is restored exactly and it never warns about OpenMP loops (its warning
+@pytest.mark.parametrize("layer, blas", [("default", "default"), ("workqueue", "default"), ("default", "scipy"),
+                                         ("workqueue", "scipy")])
+def test_calls_from_several_threads(layer, blas):
+    """Six threads running forward + backward at once get the single-threaded results, on either BLAS;
+    scipy's OpenBLAS thread count is restored exactly and it never warns about OpenMP loops (its warning
     is printed by C code: a subprocess captures it); the workqueue layer, which aborts the process
     on concurrent launches, runs the calls one at a time."""
     env = dict(os.environ, NUMBA_THREADING_LAYER=layer)
+    if blas != "default":
+        env[lowlevel.BLAS_VARIABLE] = blas
     run = subprocess.run([sys.executable, "-c", _CONCURRENT_CALLS], capture_output=True, text=True, env=env,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -570,6 +573,7 @@ def test_calls_from_several_threads(layer):
     assert report["equal"]
     assert report["blas_threads"] in (2, None)
     assert layer == "default" or report["layer"] == layer
+    assert blas == "default" or report["blas"] == "scipy's BLAS"
 
 
 @numba.njit(fastmath=lowlevel.FASTMATH)
