@@ -6,8 +6,9 @@ A query block of 64 rows, head dim 64, against a panel of W keys (W = 64, 576: t
 blocks of 64, 1024: a full panel): the forward's two products, S = Q K^T (64 x W) and O += P V (64 x 64), timed
 one thread, through
 
-- ``openblas``: scipy's OpenBLAS ``cblas_sgemm``, the BLAS the Numba kernels call (through Numba's binding);
-- ``mkl``: MKL's ``sgemm_``, which torch's CPU build carries (libtorch_cpu exports it);
+- ``openblas``: scipy's OpenBLAS ``cblas_sgemm``, the kernels' BLAS where torch carries no MKL (and before cc72d24);
+- ``mkl``: MKL's ``sgemm_``, which torch's CPU build carries (libtorch_cpu exports it): the kernels' BLAS where
+  it is there (``lowlevel.matmul_blas``);
 - ``brgemm``: torch's ``at::native::cpublas::brgemm`` for float32 (oneDNN's batch-reduce micro-kernel, what the
   compiled FlexAttention CPU kernel calls). It reads B row-major and has no transpose, so S reads K^T, stored
   (D, N) for a sequence of N = 4096 keys: its leading dimension is N, and N + 16 is timed beside it
