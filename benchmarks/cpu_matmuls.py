@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from sparse_attn import machine
-from sparse_attn.backends.numba.lowlevel import scipy_openblas
+from sparse_attn.backends.numba.lowlevel import scipy_openblas, torch_cpu_library
 from sparse_attn.bench.results import header, write_results
 
 ROWS, DIM, N = 64, 64, 4096
@@ -48,7 +47,9 @@ def _routes():
     blas = scipy_openblas()
     if blas is None:
         sys.exit("needs scipy's OpenBLAS (scipy.libs/libscipy_openblas*)")
-    torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    torch_cpu = torch_cpu_library()
+    if torch_cpu is None:
+        sys.exit("needs torch's CPU library (libtorch_cpu) for MKL's sgemm_ and the float32 brgemm")
     c_int, c_long, c_float, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     cblas = blas.scipy_cblas_sgemm
     cblas.argtypes = [c_int] * 6 + [c_float, ptr, c_int, ptr, c_int, c_float, ptr, c_int]

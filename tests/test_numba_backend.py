@@ -474,13 +474,13 @@ def test_available():
     blas = lowlevel.matmul_blas().name
     assert ok and "numba" in reason and f"matmuls on {blas}" in reason
     wanted = os.environ.get(lowlevel.BLAS_VARIABLE)
-    assert not wanted or blas == {"torch": "MKL (from torch)", "scipy": "scipy's BLAS"}[wanted]
+    assert not wanted or blas == {"torch": lowlevel.MKL_BLAS, "scipy": lowlevel.SCIPY_BLAS}[wanted]
 
 
 def test_matmuls_on_torchs_mkl_where_torch_exports_it():
     if os.environ.get(lowlevel.BLAS_VARIABLE) or lowlevel.torch_cpu_exports("sgemm_") is None:
         pytest.skip(f"{lowlevel.BLAS_VARIABLE} is set, or this torch exports no MKL")
-    assert lowlevel.matmul_blas().name == "MKL (from torch)"
+    assert lowlevel.matmul_blas().name == lowlevel.MKL_BLAS
 
 
 @pytest.mark.parametrize("value", ["mkl", "openblas", "Torch"])
@@ -510,7 +510,7 @@ def test_workers_restore_the_threads_blas_setting():
     """The kernels' workers set MKL to one thread on their own thread and restore the setting after: the
     calling thread (a worker too) keeps its own setting (3 here; torch.set_num_threads sets it too) through
     forward and backward."""
-    if lowlevel.matmul_blas().name != "MKL (from torch)":
+    if lowlevel.matmul_blas().name != lowlevel.MKL_BLAS:
         pytest.skip("the kernels call scipy's BLAS here (its thread count is process-wide: KernelSection)")
     set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lowlevel.matmul_blas().threads_local)
     q = torch.randn(1, 2, 300, 16, requires_grad=True)
@@ -573,7 +573,7 @@ def test_calls_from_several_threads(layer, blas):
     assert report["equal"]
     assert report["blas_threads"] in (2, None)
     assert layer == "default" or report["layer"] == layer
-    assert blas == "default" or report["blas"] == "scipy's BLAS"
+    assert blas == "default" or report["blas"] == lowlevel.SCIPY_BLAS
 
 
 @numba.njit(fastmath=lowlevel.FASTMATH)

@@ -45,6 +45,7 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # later process takes.
 _SGEMM, _DGEMM, _THREADS_LOCAL = "sparse_attn_sgemm", "sparse_attn_dgemm", "sparse_attn_blas_threads_local"
 BLAS_VARIABLE = "SPARSE_ATTN_NUMBA_BLAS"
+MKL_BLAS, SCIPY_BLAS = "MKL (from torch)", "scipy's BLAS"                   # the names matmul_blas gives them
 
 
 class Blas(NamedTuple):
@@ -57,22 +58,31 @@ class Blas(NamedTuple):
     threads_local: int
 
 
-def torch_cpu_exports(*names: str) -> dict[str, int] | None:
-    """The addresses of these symbols in torch's CPU library, or None where it does not export them all."""
+@functools.cache
+def torch_cpu_library() -> ctypes.CDLL | None:
+    """torch's CPU library (``libtorch_cpu``, already loaded by ``import torch``), or None where its file has
+    another name."""
     import torch
 
     for file in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         try:
-            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", file))
-            return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names}  # type: ignore[misc]
-        except (OSError, AttributeError):                # another platform's file name, or no such symbol
+            return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", file))
+        except OSError:
             continue
     return None
 
 
-@cfunc(types.int32(types.int32), cache=True)
+def torch_cpu_exports(*names: str) -> dict[str, int] | None:
+    """The addresses of these symbols in torch's CPU library, or None where it does not export them all."""
+    lib = torch_cpu_library()
+    if lib is None or not all(hasattr(lib, name) for name in names):
+        return None
+    return {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names}  # type: ignore[misc]
+
+
 def _threads_unchanged(n):
-    """The thread-local setter for a BLAS without one (scipy's: KernelSection sets its thread count)."""
+    """The thread-local setter for a BLAS without one (scipy's: KernelSection sets its thread count); compiled
+    by ``matmul_blas`` only where it is needed (a cfunc costs import time even when cached)."""
     return 0
 
 
@@ -84,7 +94,7 @@ def matmul_blas() -> Blas:
     Raises ValueError for another value or a BLAS that is missing.
 
     >>> blas = matmul_blas()
-    >>> blas.name in ("MKL (from torch)", "scipy's BLAS") and blas.sgemm != 0
+    >>> blas.name in (MKL_BLAS, SCIPY_BLAS) and blas.sgemm != 0
     True
     """
     wanted = os.environ.get(BLAS_VARIABLE, "")
@@ -94,7 +104,7 @@ def matmul_blas() -> Blas:
     if wanted != "scipy":            # MKL_Set_Num_Threads_Local takes n by value; mkl_set_num_threads_local by pointer
         mkl = torch_cpu_exports("sgemm_", "dgemm_", "MKL_Set_Num_Threads_Local")
         if mkl is not None:
-            return Blas("MKL (from torch)", mkl["sgemm_"], mkl["dgemm_"], mkl["MKL_Set_Num_Threads_Local"])
+            return Blas(MKL_BLAS, mkl["sgemm_"], mkl["dgemm_"], mkl["MKL_Set_Num_Threads_Local"])
         if wanted == "torch":
             raise ValueError(f"{BLAS_VARIABLE}=torch, but this torch's CPU library exports no MKL sgemm_: "
                              f"unset it to use scipy's BLAS")
@@ -102,7 +112,8 @@ def matmul_blas() -> Blas:
         sgemm, dgemm = (get_cython_function_address("scipy.linalg.cython_blas", name) for name in ("sgemm", "dgemm"))
     except ImportError as error:
         raise ValueError(f"the numba backend's matmuls need scipy's BLAS here (torch exports none): {error}") from None
-    return Blas("scipy's BLAS", sgemm, dgemm, cast(int, _threads_unchanged.address))  # compiled at import
+    unchanged = cfunc(types.int32(types.int32), cache=True)(_threads_unchanged)
+    return Blas(SCIPY_BLAS, sgemm, dgemm, cast(int, unchanged.address))
 
 
 def _register_blas() -> None:
@@ -293,7 +304,7 @@ def scipy_openblas():
 
 def _process_wide_blas():
     """scipy's OpenBLAS where the kernels call it (its thread count is process-wide), else None."""
-    return scipy_openblas() if matmul_blas().name == "scipy's BLAS" else None
+    return scipy_openblas() if matmul_blas().name == SCIPY_BLAS else None
 
 
 def _layer_is_threadsafe() -> bool:
