@@ -1,4 +1,5 @@
 """Where something ran: the facts bench, info and benchmarks/ record."""
+import mmap
 import subprocess
 
 import torch
@@ -52,9 +53,12 @@ def test_gpu_records_the_current_devices_name_memory_driver_and_cuda(monkeypatch
 
 
 def test_peak_rss_since_a_reset_sees_a_new_allocation_and_the_process_peak_is_above_it():
+    # fresh pages from the kernel: a torch tensor may come from memory glibc kept resident after an earlier
+    # test freed it, which touches no new page (the CI run that reused 32 MiB grew VmHWM by 0)
+    pages = mmap.mmap(-1, 2**25)                                               # 32 MiB, not yet resident
     machine.reset_peak_rss()
     before = machine.status_bytes("VmRSS")
-    block = torch.ones(2**25, dtype=torch.uint8)                               # 32 MiB, touched
+    torch.frombuffer(pages, dtype=torch.uint8).fill_(1)                        # touch every page
     assert machine.status_bytes("VmHWM") - before >= 2**25 * 0.9
-    del block
+    pages.close()
     assert machine.process_peak_bytes() >= machine.status_bytes("VmHWM")
