@@ -83,6 +83,7 @@ class SparseKVCache:
         self._ring_head = self._ring_count = 0          # the oldest ring entry (index into the ring), entries
         self._seen = 0
         self._new = np.zeros(0, dtype=np.int64)         # positions appended by the last update
+        self._returned: torch.Tensor | None = None      # the held positions the last update returned
         self._layouts: dict[tuple, BlockLayout] = {}    # token mask (packed) -> its layout, latest last
         self._rules: dict[Context, object] = {}         # context -> the pattern's rule there (this step's)
         self._checked: tuple | None = None              # the last call that passed attend's checks, described
@@ -147,7 +148,8 @@ class SparseKVCache:
         else:
             index = torch.from_numpy(held).to(self._keys.device)
             keys, values = self._keys.index_select(2, index), self._values.index_select(2, index)
-        return keys, values, torch.from_numpy(self._slot_positions[held])
+        self._returned = torch.from_numpy(self._slot_positions[held])
+        return keys, values, self._returned
 
     def _replaces_oldest(self) -> bool:
         """Whether the next token takes the oldest ring entry's slot: the steady decode step of a bounded
@@ -170,7 +172,8 @@ class SparseKVCache:
         self._ring_head = (self._ring_head + 1) % (len(self._slot_positions) - len(self._fixed))
         self._new = np.arange(self._seen, self._seen + 1, dtype=np.int64)
         self._seen += 1
-        return self._keys, self._values, torch.from_numpy(self._slot_positions.copy())
+        self._returned = torch.from_numpy(self._slot_positions.copy())
+        return self._keys, self._values, self._returned
 
     def _check_kv(self, k, v) -> None:
         """k, v as the caller passed them, and that they continue the held keys (batch, heads, head dim, dtype,
@@ -419,7 +422,9 @@ class SparseKVCache:
                                          alibi_slopes=mods.alibi_slopes, sinks=sinks)
         backend = backends.choose(self.backend, q.device)
         if backend in ("numba", "triton") and n_q <= _DENSE_ROWS:
-            return self._attend_dense(q, keys, values, held_positions, scale, return_lse, key_padding_mask, mods, sinks)
+            every_key = self._attends_every_held(positions)
+            return self._attend_dense(q, keys, values, held_positions, every_key, scale, return_lse, key_padding_mask,
+                                      mods, sinks)
         block_size = backends.load(backend).BLOCK_SIZE
         if n_q > _DENSE_ROWS and key_padding_mask is None and self._starts is None and mods.alibi_slopes is None:
             chunk = self._attend_chunk(q, keys, values, held_positions, block_size, scale=scale, softcap=softcap)
@@ -464,12 +469,20 @@ class SparseKVCache:
         return sparse_attention(q, compact_keys, compact_values, compact.to(q.device), backend=self.backend,
                                 return_lse=True, **options)
 
+    def _attends_every_held(self, positions: torch.Tensor) -> bool:
+        """Whether the last update's one new query attends every key it returned (``positions`` being what it
+        returned): past ``dense_until`` the cache then holds the fixed tokens and the window alone, and
+        ``Retention.sees_all_held`` says the query attends them all (a decode step of ``Local(w - 1, 0) |
+        Sink(...)``), so no mask is evaluated."""
+        return (positions is self._returned and len(self._new) == 1 and self._starts is None
+                and self.retention.sees_all_held and self._new[0] > self.retention.dense_until)
+
     def _attend_dense(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: np.ndarray,
-                      scale, return_lse: bool, key_padding_mask, mods, sinks):
+                      every_key: bool, scale, return_lse: bool, key_padding_mask, mods, sinks):
         """The new queries over the held keys in one dense call (:func:`~sparse_attn.held_attention.dense_attention`):
-        a decode step reads each held key once. The allowed keys by runs of held positions (no mask at all where
-        every held key is allowed, as in a decode step of ``Local(w - 1, 0) | Sink(...)``)."""
-        held = self._held_mask(q.shape[1], positions)                                # (Bl, Hl, n_q, n_held) or None
+        a decode step reads each held key once. No mask where the query attends ``every_key`` (see
+        :meth:`_attends_every_held`) or where the pattern allows every held key, else the pattern's mask."""
+        held = None if every_key else self._held_mask(q.shape[1], positions)          # (Bl, Hl, n_q, n_held) or None
         mask = None if held is None else torch.from_numpy(held).to(q.device)
         if key_padding_mask is not None:
             check_token_mask("key_padding_mask", key_padding_mask, None, len(positions))

@@ -33,7 +33,11 @@ The analysis reads the spec tree (its ``kind`` tags and public fields), as the r
   sequence per example.
 
 ``fixed``, ``window`` and ``dense_until`` describe what a cache stores, a superset of the keys
-still reachable. :meth:`Retention.kept` is exact where the pattern is built from ``Local``,
+still reachable. ``sees_all_held`` says when one new query attends all of it (a decode step needs no mask):
+``Local`` (unit 1) keeps the keys its window attends, ``Sink`` and ``Global`` the columns every query
+attends; a union keeps this when a member of the largest window does, an intersection or ``PerHead`` when
+every bounded member (every head) holds the same fixed tokens and window, and the unbounded members of an
+intersection are ``Causal`` or ``Dense``. :meth:`Retention.kept` is exact where the pattern is built from ``Local``,
 ``Sink``, ``Global``, ``Causal`` and ``Dense`` with ``|``, ``&`` and ``PerHead``: it then drops every
 key that no future query attends (minimal); elsewhere it returns the stored superset (safe).
 
@@ -66,6 +70,8 @@ class Retention:
     dense_until: while t <= dense_until a global query is still to come and may reach every key
                  (-1: none).
     rows:        the positions of global queries in the pattern (where kept() looks beyond t).
+    sees_all_held: past dense_until, the query at t attends every key a cache holds then (the fixed tokens
+                 before t and t - window .. t): a decode step of one token needs no mask.
     reason:      for an unbounded pattern, the part that makes it so ("" when bounded).
     exact:       whether kept() evaluates the pattern (exact and minimal) or returns the stored superset.
     """
@@ -79,6 +85,7 @@ class Retention:
     rows: tuple[int, ...]
     reason: str
     exact: bool
+    sees_all_held: bool
 
     def kept(self, t: int, n: int) -> np.ndarray:
         """Sorted positions among ``0 .. n - 1`` that a query at a position >= ``t`` may still attend.
@@ -110,12 +117,15 @@ class Retention:
 
 @dataclasses.dataclass(frozen=True)
 class _Bound:
-    """The analysis of one subtree: an unbounded one has ``reason`` set and its other fields unused."""
+    """The analysis of one subtree: an unbounded one has ``reason`` set and only ``past_attended`` used."""
 
     reason: str = ""
     fixed: frozenset = frozenset()
     window: int = 0
     dense_until: int = -1
+    fixed_attended: bool = False   # every query attends each fixed token before it
+    window_attended: bool = False  # the query at t attends every key in t - window .. t
+    past_attended: bool = False    # every query attends every key before it (Causal, Dense)
 
 
 def retention(pattern: PatternSpec, heads: int | None = None) -> Retention:
@@ -135,7 +145,8 @@ def retention(pattern: PatternSpec, heads: int | None = None) -> Retention:
     bound = _analyse(pattern)
     return Retention(pattern=pattern, heads=heads, bounded=not bound.reason, fixed=tuple(sorted(bound.fixed)),
                      window=bound.window, dense_until=bound.dense_until, rows=_global_rows(pattern),
-                     reason=bound.reason, exact=_exact(pattern))
+                     reason=bound.reason, exact=_exact(pattern),
+                     sees_all_held=not bound.reason and bound.fixed_attended and bound.window_attended)
 
 
 def _exact(spec) -> bool:
@@ -173,36 +184,58 @@ def _unbounded(spec) -> _Bound:
     return _Bound(reason=f"{spec!r} can reach any past key")
 
 
+def _every_past_key(spec) -> _Bound:
+    return _Bound(reason=f"{spec!r} can reach any past key", past_attended=True)
+
+
 def _local(spec) -> _Bound:
     u = spec.block_size
-    return _Bound(window=spec.before * u + u - 1)  # query block t // u sees key blocks from t // u - before
+    # query block t // u sees key blocks from t // u - before; with unit 1 every key of the window
+    return _Bound(window=spec.before * u + u - 1, fixed_attended=True, window_attended=u == 1)
 
 
 def _dilated(spec) -> _Bound:
-    return _Bound(window=spec.before * spec.dilation)
+    return _Bound(window=spec.before * spec.dilation, fixed_attended=True, window_attended=spec.dilation == 1)
 
 
 def _sink(spec) -> _Bound:
     if spec.period:
         return _Bound(reason=f"{spec!r} keeps a column every {spec.period} tokens, a number growing with the "
                              f"sequence")
-    return _Bound(fixed=frozenset(spec.tokens) | frozenset(range(spec.first)))
+    return _Bound(fixed=frozenset(spec.tokens) | frozenset(range(spec.first)), fixed_attended=True)
 
 
 def _global(spec) -> _Bound:
     if spec.last:
         return _Bound(reason=f"{spec!r} makes the newest tokens global: their rows reach every past key")
     tokens = frozenset(spec.tokens) | frozenset(range(spec.first))
-    return _Bound(fixed=tokens, dense_until=max(tokens, default=-1))
+    return _Bound(fixed=tokens, dense_until=max(tokens, default=-1), fixed_attended=True)
 
 
 def _union(spec) -> _Bound:
+    """Bounded when every member is: the fixed tokens united, the largest window. Each member attends its own
+    fixed tokens; a member of the largest window may attend all of it."""
     members = [_analyse(p) for p in spec.patterns]
     unbounded = [m.reason for m in members if m.reason]
     if unbounded:
-        return _Bound(reason=unbounded[0])
-    return _Bound(fixed=frozenset().union(*(m.fixed for m in members)), window=max(m.window for m in members),
-                  dense_until=max(m.dense_until for m in members))
+        return _Bound(reason=unbounded[0], past_attended=any(m.past_attended for m in members))
+    window = max(m.window for m in members)
+    return _Bound(fixed=frozenset().union(*(m.fixed for m in members)), window=window,
+                  dense_until=max(m.dense_until for m in members),
+                  fixed_attended=all(m.fixed_attended for m in members),
+                  window_attended=any(m.window_attended for m in members if m.window == window))
+
+
+def _per_head(spec) -> _Bound:
+    """The union over heads (one cache serves every head); each head attends all of it only when every head
+    holds the same fixed tokens and window."""
+    bound = _union(spec)
+    members = [_analyse(p) for p in spec.patterns]
+    if bound.reason:
+        return dataclasses.replace(bound, past_attended=all(m.past_attended for m in members))
+    return dataclasses.replace(
+        bound, fixed_attended=all(m.fixed_attended and m.fixed == bound.fixed for m in members),
+        window_attended=all(m.window_attended and m.window == bound.window for m in members))
 
 
 def _intersection(spec) -> _Bound:
@@ -213,11 +246,15 @@ def _intersection(spec) -> _Bound:
     members = [_analyse(p) for p in spec.patterns]
     bounded = [m for m in members if not m.reason]
     if not bounded:
-        return _Bound(reason=" and ".join(m.reason for m in members))
+        return _Bound(reason=" and ".join(m.reason for m in members), past_attended=all(m.past_attended
+                                                                                      for m in members))
     with_rows = any(m.dense_until >= 0 for m in bounded)
-    return _Bound(fixed=frozenset().union(*(m.fixed for m in bounded)),
-                  window=(max if with_rows else min)(m.window for m in bounded),
-                  dense_until=min(m.dense_until for m in bounded))
+    fixed = frozenset().union(*(m.fixed for m in bounded))
+    window = (max if with_rows else min)(m.window for m in bounded)
+    others_attend = all(m.past_attended for m in members if m.reason)    # the unbounded members narrow nothing
+    return _Bound(fixed=fixed, window=window, dense_until=min(m.dense_until for m in bounded),
+                  fixed_attended=others_attend and all(m.fixed_attended and m.fixed == fixed for m in bounded),
+                  window_attended=others_attend and all(m.window_attended and m.window >= window for m in bounded))
 
 
 class KindAnalysis(NamedTuple):
@@ -236,9 +273,9 @@ class KindAnalysis(NamedTuple):
 ANALYSES: dict[str, KindAnalysis] = {  # a spec's ``kind`` -> how retention reads it; every kind has one
     "local": KindAnalysis(_local, exact=True), "stride": KindAnalysis(_unbounded, exact=False),
     "dilated": KindAnalysis(_dilated, exact=False), "global": KindAnalysis(_global, exact=True),
-    "sink": KindAnalysis(_sink, exact=True), "causal": KindAnalysis(_unbounded, exact=True),
-    "dense": KindAnalysis(_unbounded, exact=True), "random": KindAnalysis(_unbounded, exact=False),
+    "sink": KindAnalysis(_sink, exact=True), "causal": KindAnalysis(_every_past_key, exact=True),
+    "dense": KindAnalysis(_every_past_key, exact=True), "random": KindAnalysis(_unbounded, exact=False),
     "blocks": KindAnalysis(_unbounded, exact=False), "union": KindAnalysis(_union, exact=True),
     "intersection": KindAnalysis(_intersection, exact=True), "complement": KindAnalysis(_unbounded, exact=False),
-    "per_head": KindAnalysis(_union, exact=True),
+    "per_head": KindAnalysis(_per_head, exact=True),
 }

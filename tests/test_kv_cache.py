@@ -12,6 +12,7 @@ import sparse_attn as sa
 from sparse_attn.kv_cache import SparseKVCache, left_padded_attention
 from sparse_attn.layout import BlockLayout
 from sparse_attn.positions import layout_at_positions, over_held_keys
+from sparse_attn.retention import retention
 from sparse_attn.rules import Context
 from tests.strategies import patterns
 from tests.tolerance import FLOORS, assert_within_rule
@@ -81,6 +82,32 @@ def test_generation_bfloat16_within_the_tolerance_rule(pattern):
     out, oracle, baseline, _ = generation(pattern, SCHEDULES["straddle"], "numba", dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert_within_rule("out", out, oracle, baseline, FLOORS[torch.bfloat16])
+
+
+def _no_held_mask(*args, **kwargs):
+    raise AssertionError("a decode step evaluated the pattern at the held keys")
+
+
+@pytest.mark.parametrize("pattern", [p for p in BOUNDED if retention(p).sees_all_held], ids=repr)
+def test_a_decode_step_that_attends_every_held_key_evaluates_no_mask(pattern, monkeypatch):
+    """Retention.sees_all_held: the step is one dense attention over the held keys, with no mask built."""
+    monkeypatch.setattr("sparse_attn.kv_cache.held_mask", _no_held_mask)
+    out, oracle, _, cache = generation(pattern, SCHEDULES["tokens"], "numba")
+    assert (out - oracle).abs().max().item() <= 1e-12
+    assert len(cache.positions) < cache.seq_len
+
+
+def test_a_decode_step_over_positions_the_update_did_not_return_evaluates_the_mask(monkeypatch):
+    """attention() over other positions than the last update's (here the same values in a new tensor) cannot
+    rely on what the cache holds, so it evaluates the pattern there."""
+    cache, x = SparseKVCache(BOUNDED[0], backend="numba"), torch.randn(1, 2, 40, 8, dtype=torch.float64)
+    cache.attend(x[:, :, :39], x[:, :, :39], x[:, :, :39])
+    keys, values, positions = cache.update(x[:, :, 39:], x[:, :, 39:])
+    expected = cache.attention(x[:, :, 39:], keys, values, positions)
+    monkeypatch.setattr("sparse_attn.kv_cache.held_mask", _no_held_mask)
+    with pytest.raises(AssertionError, match="evaluated the pattern"):
+        cache.attention(x[:, :, 39:], keys, values, positions.clone())
+    assert torch.equal(cache.attention(x[:, :, 39:], keys, values, positions), expected)
 
 
 def test_generation_with_the_triton_backend():

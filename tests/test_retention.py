@@ -76,6 +76,51 @@ def test_per_head_retention_is_the_union_over_heads(first, data):
             assert decode_attended(pattern, 2, t, n, max(n, t, *retention(second).rows, 0) + 2)[past].all()
 
 
+bounded_leaves = st.one_of(
+    exact_leaves,
+    st.builds(sa.Dilated, st.integers(0, 6), st.integers(1, 3)),
+    st.just(sa.Dense()),
+    st.builds(sa.Stride, st.integers(1, 5)),
+)
+bounded_patterns = st.recursive(bounded_leaves, lambda inner: st.one_of(
+    st.builds(lambda a, b: a | b, inner, inner), st.builds(lambda a, b: a & b, inner, inner),
+    st.builds(lambda a, b: sa.PerHead([a, b]), inner, inner)), max_leaves=5)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bounded_patterns)
+def test_sees_all_held_means_a_new_query_attends_every_key_a_cache_holds(pattern):
+    """Past dense_until a cache holds the fixed tokens before t and t - window .. t (test_kv_cache checks
+    that): where sees_all_held says so, the query at t attends each of them, on every head."""
+    r = retention(pattern)
+    if not r.sees_all_held:
+        return
+    assert r.bounded
+    for t in range(r.dense_until + 1, r.dense_until + 2 + r.window + 12):
+        held = sorted({p for p in r.fixed if p < t} | set(range(max(t - r.window, 0), t + 1)))
+        row = pattern.mask(1, t + 1, heads=r.heads).numpy()[:, 0]                   # (heads, t + 1)
+        assert row[:, held].all(), f"{pattern!r} t={t}: misses {np.array(held)[~row[:, held].all(0)]}"
+
+
+@pytest.mark.parametrize("pattern, sees_all_held", [
+    (sa.Local(4095, 0) | sa.Sink(first=4), True),
+    (sa.Local(7) & sa.Causal(), True),
+    (sa.Global(first=2) | sa.Local(5, 0), True),
+    (sa.Local(4) & sa.Local(9), True),
+    (sa.PerHead([sa.Local(3, 0) | sa.Sink(first=1), sa.Sink(first=1) | sa.Local(3, 1)]), True),
+    (sa.Sink(first=4), False),                                       # holds the new token, which it does not attend
+    (sa.Local(2, block_size=4), False),                              # a block window: not every key of it
+    (sa.Dilated(3, 2), False),
+    (sa.Stride(4) & sa.Local(6), False),
+    (sa.Local(3) | sa.Sink(first=1) | sa.Local(9, block_size=2), False),  # the largest window is a block one
+    (sa.PerHead([sa.Local(3), sa.Local(3) | sa.Sink(first=1)]), False),   # head 0 misses head 1's sink
+    ((sa.Local(3) | sa.Sink(first=1)) & (sa.Local(3) | sa.Sink(first=2)), False),
+    ((sa.Global(first=2) | sa.Local(5, 0)) & sa.Local(3, 0), False),     # holds the larger window: rows to come
+])
+def test_sees_all_held(pattern, sees_all_held):
+    assert retention(pattern).sees_all_held == sees_all_held
+
+
 @pytest.mark.parametrize("pattern, bounded, fixed, window, dense_until", [
     (sa.Local(4095, 0) | sa.Sink(first=4), True, (0, 1, 2, 3), 4095, -1),
     (sa.Local(7) & sa.Causal(), True, (), 7, -1),
