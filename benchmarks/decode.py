@@ -436,9 +436,10 @@ def markdown(record: dict) -> str:
     if sparse and peer and sparse.get("per_token_s") and peer.get("per_token_s"):
         lines += [f"At N={short(max(record['sizes']))} (float32) SparseKVCache's step takes "
                   f"{_ms(sparse['per_token_s'])} ms against {_ms(peer['per_token_s'])} ms for sdpa over the held "
-                  f"keys: the attention itself is that sdpa call (the pattern allows every held key, so no mask); "
-                  f"the rest is the step's Python: the update (eviction, ring slot, write), the argument checks, "
-                  f"the pattern resolved for the new length and evaluated at the held positions.", ""]
+                  f"keys: the attention itself is that sdpa call, with no mask (the pattern's retention says that "
+                  f"one new query attends every key the cache holds, so nothing is evaluated at the held positions); "
+                  f"the rest is the step's Python: the update (eviction, ring slot, write), the argument checks and "
+                  f"the pattern resolved for the new length (what depends on it is checked every step).", ""]
     if "float32" in dtypes:
         lines += _fill_table(record, rows)
     gen = record.get("generate") or {}
