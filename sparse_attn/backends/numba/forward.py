@@ -18,7 +18,7 @@ from numba import njit, prange
 from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
-from .lowlevel import FASTMATH, exp2, fetch_add, set_blas_threads_local
+from .lowlevel import FASTMATH, LANES, exp2, fetch_add, lane_maxima, set_blas_threads_local
 from .mods import head_modifiers, modify, position, shifted
 from .near_max import exact_near_max, large_logits
 from .panels import (
@@ -34,7 +34,6 @@ from .panels import (
     run_span,
 )
 
-_LANES = 16  # running maxima per row in _row_max: one AVX-512 float32 vector
 _LN2 = math.log(2.0)
 
 
@@ -186,22 +185,17 @@ def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, con
 
 @njit(cache=True, fastmath=FASTMATH)
 def _row_max(row, start, lanes):
-    """(max(start, row), where) of a 1-D row, skipping NaN, with ``lanes`` (a scratch array,
-    (_LANES,)) holding running maxima of the row's columns mod _LANES: this loop vectorises (x86
-    max instructions are this select, NaN included), a single running max does not (LLVM
-    vectorises float max reductions only under no-NaN flags, which would make a NaN score
-    undefined). Where the max exceeds start, ``where`` tells _column_of where it is."""
+    """(max(start, row), where) of a 1-D row, skipping NaN, with ``lanes`` (a scratch array, (LANES,))
+    holding running maxima of the row's columns mod LANES (``lane_maxima``: vector selects, as x86 max
+    instructions are, NaN included). Where the max exceeds start, ``where`` tells _column_of where it is."""
     n = row.size
     lanes[:] = start
-    for j0 in range(0, n - _LANES + 1, _LANES):
-        for u in range(_LANES):
-            x = row[j0 + u]
-            lanes[u] = x if x > lanes[u] else lanes[u]
+    lane_maxima(row, lanes)
     best, where = start, 0
-    for u in range(_LANES):
+    for u in range(LANES):
         more = lanes[u] > best
         best, where = (lanes[u], u) if more else (best, where)
-    for j in range(n - n % _LANES, n):
+    for j in range(n - n % LANES, n):
         more = row[j] > best
         best, where = (row[j], j) if more else (best, where)
     return best, where
@@ -210,13 +204,13 @@ def _row_max(row, start, lanes):
 @njit(cache=True, fastmath=FASTMATH)
 def _column_of(row, value, where):
     """The first column of the row holding ``value``, the maximum _row_max found with ``where``: a
-    column of the tail, or a lane (columns where, where + _LANES, ...; selects over a fixed count
+    column of the tail, or a lane (columns where, where + LANES, ...; selects over a fixed count
     rather than an early exit, which would be a mispredicted branch per row)."""
-    groups = row.size - row.size % _LANES
+    groups = row.size - row.size % LANES
     if where >= groups:
         return where
     j = groups
-    for j0 in range(groups - _LANES + where, -1, -_LANES):
+    for j0 in range(groups - LANES + where, -1, -LANES):
         j = j0 if row[j0] == value else j
     return j
 
@@ -247,5 +241,5 @@ def _forward_scratch(out, rows, width, config):
     ``width`` keys, in the dtype of ``out`` (the dtype computed in)."""
     dim, dtype = out.shape[-1], out.dtype
     return ForwardScratch(np.empty(rows * width, dtype), np.empty((rows, dim), dtype), np.empty(rows, dtype),
-                          np.empty(rows, dtype), np.empty(_LANES, dtype), np.empty(width, np.int64),
+                          np.empty(rows, dtype), np.empty(LANES, dtype), np.empty(width, np.int64),
                           panel_scratch(config))

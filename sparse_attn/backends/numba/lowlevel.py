@@ -1,5 +1,5 @@
 """What the Numba kernels stand on: BLAS ?gemm without temporaries (MKL from torch, else scipy's BLAS), a
-vectorisable float32 ``exp2`` and ``tanh``, an atomic task counter, fastmath flags, and BLAS kept to one
+vectorisable float32 ``exp2`` and ``tanh``, row maxima in vector registers, an atomic task counter, fastmath flags, and BLAS kept to one
 thread per worker while kernels run.
 
 >>> import numpy as np
@@ -256,6 +256,46 @@ def _tanh_impl(x):
         return tanh_f32
     if x == types.float64:
         return lambda x: np.tanh(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row maxima in vector registers
+# ------------------------------------------------------------------------------------------------
+LANES = 16          # the running maxima lane_maxima keeps: two vectors of 8
+_VECTOR = 8
+
+
+@intrinsic
+def lane_maxima(typingctx, row, lanes):
+    """lanes[u] = the largest of lanes[u] and row[u], row[u + 16], row[u + 32], ... over the first
+    ``row.size - row.size % 16`` columns; row: a C-contiguous 1-D float32 or float64 array, lanes (16,) of its
+    dtype. NaN is skipped (the comparison x > lane is false for it). Written as vector selects: LLVM leaves the
+    same loop in Numba scalar (a select of a compare is a max only without NaN, which the flags keep)."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+            and row.dtype in (types.float32, types.float64) and lanes == row):
+        return None
+
+    def codegen(context, builder, signature, args):
+        row_array, lane_array = (context.make_array(ty)(context, builder, value)
+                                 for ty, value in zip(signature.args, args))
+        element = context.get_data_type(signature.args[0].dtype)
+        vector = ir.VectorType(element, _VECTOR)
+        align = signature.args[0].dtype.bitwidth // 8
+        index = ir.IntType(64)
+        rows_v, lanes_v = (builder.bitcast(a.data, vector.as_pointer()) for a in (row_array, lane_array))
+        parts = [builder.gep(lanes_v, [ir.Constant(index, p)]) for p in range(LANES // _VECTOR)]
+        running = [cgutils.alloca_once_value(builder, builder.load(part, align=align)) for part in parts]
+        groups = builder.sdiv(builder.extract_value(row_array.shape, 0), ir.Constant(index, LANES))
+        with cgutils.for_range(builder, groups) as loop:
+            first = builder.mul(loop.index, ir.Constant(index, len(parts)))
+            for p, best in enumerate(running):
+                x = builder.load(builder.gep(rows_v, [builder.add(first, ir.Constant(index, p))]), align=align)
+                old = builder.load(best)
+                builder.store(builder.select(builder.fcmp_ordered(">", x, old), x, old), best)
+        for part, best in zip(parts, running):
+            builder.store(builder.load(best), part, align=align)
+        return context.get_dummy_value()
+    return types.void(row, lanes), codegen
 
 
 @njit(cache=True)
