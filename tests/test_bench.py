@@ -210,12 +210,14 @@ def test_committed_table_is_rendered_from_the_committed_json(name):
 
 
 def test_cpu_matmuls_times_every_route_on_every_shape_and_checks_its_products():
-    """OpenBLAS, MKL and torch's float32 brgemm each compute S = Q K^T and O += P V right (measure asserts it
-    against numpy before timing), at every panel width; brgemm's S also at the padded leading dimension."""
+    """OpenBLAS, MKL and torch's float32 brgemm each compute S = Q K^T and O += P V right, and OpenBLAS and MKL
+    the backward's dQ += dS K (measure asserts it against numpy before timing), at every panel width; brgemm's S
+    also at the padded leading dimension."""
     cpu_matmuls = script("cpu_matmuls")
     rows = cpu_matmuls.measure(repeats=1)
     routes = {(r["route"], r["product"], r["width"], r["ld_b"]) for r in rows}
-    assert len(rows) == len(routes) == 3 * 2 * 3 + 3 and all(r["gflops"] > 0 for r in rows)
+    assert len(rows) == len(routes) == 3 * 2 * 3 + 3 + 2 * 3 and all(r["gflops"] > 0 for r in rows)
+    assert ("mkl", "dQ += dS K", 1024, None) in routes
     assert ("brgemm", "S = Q K^T", 576, cpu_matmuls.N + 16) in routes
 
 

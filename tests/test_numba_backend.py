@@ -456,6 +456,32 @@ def test_block_size_beyond_the_sequence_uses_memory_of_the_sequence():
     assert json.loads(run.stdout.splitlines()[-1]) == [True, True]
 
 
+@numba.njit
+def _lane_maxima_of(row, start):
+    lanes = np.full(lowlevel.LANES, start, row.dtype)
+    lowlevel.lane_maxima(row, lanes)
+    return lanes
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lane_maxima_keeps_each_lanes_maximum_and_skips_nan(dtype):
+    """lanes[u] = max(start, row[u::16]) over whole groups of 16 columns (the tail is _row_max's), NaN skipped,
+    -inf kept; the vector loop against numpy on rows of every length mod 16."""
+    rng = np.random.default_rng(0)
+    for n in (0, 15, 16, 17, 100, 1093):
+        row = (rng.standard_normal(n) * 50).astype(dtype)
+        row[rng.random(n) < 0.1] = np.nan
+        row[rng.random(n) < 0.1] = -np.inf
+        whole = n - n % lowlevel.LANES
+        for start in (-np.inf, 0.0):
+            expected = np.full(lowlevel.LANES, start, dtype)
+            for u in range(lowlevel.LANES):
+                column = row[u:whole:lowlevel.LANES]
+                column = column[~np.isnan(column)]
+                expected[u] = max(start, column.max(initial=-np.inf))
+            np.testing.assert_array_equal(_lane_maxima_of(row, dtype(start)), expected)
+
+
 @pytest.mark.parametrize("module", [numba_package, numba_backend, forward, backward, panels, near_max, schedule, bundles,
                                     mods, lowlevel], ids=lambda m: m.__name__)
 def test_docstring_examples(module):

@@ -1,6 +1,6 @@
 """What the Numba kernels stand on: BLAS ?gemm without temporaries (MKL from torch, else scipy's BLAS), a
-vectorisable float32 ``exp2`` and ``tanh``, row maxima in vector registers, an atomic task counter, fastmath flags, and BLAS kept to one
-thread per worker while kernels run.
+vectorisable float32 ``exp2`` and ``tanh``, row maxima in vector registers, an atomic task counter, fastmath
+flags, and BLAS kept to one thread per worker while kernels run.
 
 >>> import numpy as np
 >>> from sparse_attn.backends.numba.lowlevel import gemm
@@ -89,7 +89,7 @@ def _threads_unchanged(n):
 @functools.cache
 def matmul_blas() -> Blas:
     """The BLAS the kernels' float32/float64 matmuls call: MKL where torch's CPU library exports it (Linux
-    x86-64 wheels; 1.2-1.6x OpenBLAS on the kernels' 64 x 64 x W products, docs/backend-numba.md), else
+    x86-64 wheels; up to 1.6x OpenBLAS on the kernels' 64 x 64 x W products, docs/backend-numba.md), else
     scipy's BLAS (OpenBLAS in its wheels). ``SPARSE_ATTN_NUMBA_BLAS=scipy`` (or ``torch``) picks one.
     Raises ValueError for another value or a BLAS that is missing.
 
