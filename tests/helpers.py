@@ -107,6 +107,8 @@ NUMBA_CASES = [
     ("mqa-block64", sa.Local(70), 1, 3, 1, 200, 200, 64, 64, False, 0, 0),
     ("per-head-random", sa.PerHead([sa.Local(8), sa.Stride(5), sa.Dense(), sa.Random(2, seed=3) | sa.Local(4)]),
      1, 4, 2, 130, 130, 16, 16, False, 0, 0),
+    ("bigbird-scattered", sa.Global(first=3) | sa.Local(6) | sa.Random(3, seed=1), 1, 2, 1, 300, 300, 16, 16, False,
+     0, 0),                                                      # scattered blocks: runs of one block
     ("padding-and-globals", sa.Local(10), 2, 2, 1, 180, 180, 32, 32, False, 30, 4),
     ("empty-rows", sa.Local(3), 2, 2, 2, 96, 96, 16, 16, True, 40, 0),
 ]
