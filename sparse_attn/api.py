@@ -260,6 +260,8 @@ def _check_layout(layout: BlockLayout, batch: int, heads: int, n_q: int, n_k: in
         raise ValueError(f"the BlockLayout was built for n_q={layout.n_q}, n_k={layout.n_k} but the inputs have "
                          f"n_q={n_q}, n_k={n_k}; build it with pattern.layout({n_q}, {n_k}, heads={heads})")
     if layout.heads != heads:
-        raise ValueError(f"the BlockLayout was built for heads={layout.heads} but q has {heads} heads")
+        raise ValueError(f"the BlockLayout was built for heads={layout.heads} but q has {heads} heads; build it with "
+                         f"pattern.layout({n_q}, {n_k}, heads={heads})")
     if layout.batch not in (1, batch):
-        raise ValueError(f"the BlockLayout was built for a batch of {layout.batch} but q has batch {batch}")
+        raise ValueError(f"the BlockLayout was built for a batch of {layout.batch} but q has batch {batch}; build it "
+                         f"from masks or documents of batch {batch}, or without them (one layout for every example)")
