@@ -70,10 +70,10 @@ class Retention:
     dense_until: while t <= dense_until a global query is still to come and may reach every key
                  (-1: none).
     rows:        the positions of global queries in the pattern (where kept() looks beyond t).
-    sees_all_held: past dense_until, the query at t attends every key a cache holds then (the fixed tokens
-                 before t and t - window .. t): a decode step of one token needs no mask.
     reason:      for an unbounded pattern, the part that makes it so ("" when bounded).
     exact:       whether kept() evaluates the pattern (exact and minimal) or returns the stored superset.
+    sees_all_held: past dense_until, the query at t attends every key a cache holds then (the fixed tokens
+                 before t and t - window .. t): a decode step of one token needs no mask.
     """
 
     pattern: PatternSpec
