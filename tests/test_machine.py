@@ -56,8 +56,11 @@ def test_peak_rss_since_a_reset_sees_a_new_allocation_and_the_process_peak_is_ab
     # fresh pages from the kernel: a torch tensor may come from memory glibc kept resident after an earlier
     # test freed it, which touches no new page (the CI run that reused 32 MiB grew VmHWM by 0)
     pages = mmap.mmap(-1, 2**25)                                               # 32 MiB, not yet resident
+    held = torch.ones(2**24, dtype=torch.uint8)                                # a peak above now, then freed
+    del held
     machine.reset_peak_rss()
     before = machine.status_bytes("VmRSS")
+    assert machine.status_bytes("VmHWM") - before < 2**23                      # the reset dropped that peak
     torch.frombuffer(pages, dtype=torch.uint8).fill_(1)                        # touch every page
     assert machine.status_bytes("VmHWM") - before >= 2**25 * 0.9
     pages.close()
