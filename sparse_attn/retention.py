@@ -216,26 +216,33 @@ def _union(spec) -> _Bound:
     """Bounded when every member is: the fixed tokens united, the largest window. Each member attends its own
     fixed tokens; a member of the largest window may attend all of it."""
     members = [_analyse(p) for p in spec.patterns]
-    unbounded = [m.reason for m in members if m.reason]
-    if unbounded:
-        return _Bound(reason=unbounded[0], past_attended=any(m.past_attended for m in members))
-    window = max(m.window for m in members)
-    return _Bound(fixed=frozenset().union(*(m.fixed for m in members)), window=window,
-                  dense_until=max(m.dense_until for m in members),
-                  fixed_attended=all(m.fixed_attended for m in members),
-                  window_attended=any(m.window_attended for m in members if m.window == window))
+    bound = _united(members)
+    if bound.reason:
+        return dataclasses.replace(bound, past_attended=any(m.past_attended for m in members))
+    return dataclasses.replace(bound, fixed_attended=all(m.fixed_attended for m in members),
+                               window_attended=any(m.window_attended for m in members if m.window == bound.window))
 
 
 def _per_head(spec) -> _Bound:
     """The union over heads (one cache serves every head); each head attends all of it only when every head
     holds the same fixed tokens and window."""
-    bound = _union(spec)
     members = [_analyse(p) for p in spec.patterns]
+    bound = _united(members)
     if bound.reason:
         return dataclasses.replace(bound, past_attended=all(m.past_attended for m in members))
     return dataclasses.replace(
         bound, fixed_attended=all(m.fixed_attended and m.fixed == bound.fixed for m in members),
         window_attended=all(m.window_attended and m.window == bound.window for m in members))
+
+
+def _united(members: list[_Bound]) -> _Bound:
+    """What a cache keeps for members that all hold: unbounded if one is, else their fixed tokens united, the
+    largest window and the last global query (who attends it is the caller's to say)."""
+    unbounded = [m.reason for m in members if m.reason]
+    if unbounded:
+        return _Bound(reason=unbounded[0])
+    return _Bound(fixed=frozenset().union(*(m.fixed for m in members)), window=max(m.window for m in members),
+                  dense_until=max(m.dense_until for m in members))
 
 
 def _intersection(spec) -> _Bound:
