@@ -27,6 +27,12 @@ OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
 
 # --- inputs, runs and the tolerance rule over all five outputs -----------------------------------
+def release(version: str) -> str:
+    """A version without its local label: the installed metadata may say 2.11.0 where torch.__version__ says
+    2.11.0+cu130 (as on a GPU image)."""
+    return version.split("+")[0]
+
+
 def make_qkv(batch, q_heads, kv_heads, n_q, n_k, head_dim, dtype=torch.float32, seed=0, kv_batch=None, device=DEVICE):
     """q (B, Hq, Nq, D), k, v (kv_batch or B, Hkv, Nk, D) on ``device``, drawn in float64 then cast to ``dtype``."""
     gen = torch.Generator().manual_seed(seed)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+import sys
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,27 @@ BLOCKS = [block for path in DOCUMENTS for block in python_blocks(path)]
 class _File:
     """One markdown file's run: its namespace, working directory and progress."""
     workdir: Path
-    namespace: dict = field(default_factory=lambda: {"__name__": "__docs__"})
+    namespace: dict                    # a module's, registered in sys.modules (_module_namespace)
     done: int = 0                      # blocks of this file attempted so far
     stopped: str | None = None         # why later blocks cannot run (an earlier one failed or was skipped)
 
 
 _FILES: dict[Path, _File] = {}
+
+
+def _module_namespace(name: str) -> dict:
+    """The namespace of a module registered as ``name`` in sys.modules: torch.compile imports the module named
+    by a compiled function's ``__name__`` global (torch 2.11's Dynamo fails on a name it cannot import)."""
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    return vars(module)
+
+
+def _file_state(path: Path, tmp_path_factory) -> _File:
+    """``path``'s run: a working directory and a module of its own (named after the path, so each file's
+    compiled functions find their own globals)."""
+    name = "docs_" + "".join(c if c.isalnum() else "_" for c in str(path.relative_to(ROOT)))
+    return _File(tmp_path_factory.mktemp(path.stem), _module_namespace(name))
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +84,9 @@ def _run(block: Block, state: _File) -> None:
 
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
 def test_block_runs(block: Block, tmp_path_factory):
-    state = _FILES.setdefault(block.path, _File(tmp_path_factory.mktemp(block.path.stem)))
+    if block.path not in _FILES:
+        _FILES[block.path] = _file_state(block.path, tmp_path_factory)
+    state = _FILES[block.path]
     same_file = [b for b in BLOCKS if b.path == block.path]
     for earlier in same_file[state.done:same_file.index(block)]:   # not run yet when tests are selected
         try:

@@ -20,6 +20,8 @@ from sparse_attn.bench import peers
 # Triton runs on CPU tensors in its interpreter (tests/conftest.py), but it must be installed.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason='needs triton (its interpreter without a GPU): pip install ".[triton]"')
+triton_on_cpu = [needs_triton, pytest.mark.skipif(torch.cuda.is_available(), reason="triton on CPU tensors: "
+                                                 "its interpreter, which tests/conftest.py turns on without a GPU")]
 without_a_gpu = pytest.mark.skipif(torch.cuda.is_available(),
                                    reason="checks what the script does on a machine without a GPU")
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
@@ -380,8 +382,8 @@ def sparse_flops(pattern, block):
 
 @pytest.mark.slow  # Triton's interpreter at N = 80
 @pytest.mark.parametrize("impl, pattern, flops, details", [
-    pytest.param("triton", "longformer", sparse_flops("longformer", 64), {}, marks=needs_triton),
-    pytest.param("triton-128", "sliding-causal", sparse_flops("sliding-causal", 128), {}, marks=needs_triton),
+    pytest.param("triton", "longformer", sparse_flops("longformer", 64), {}, marks=triton_on_cpu),
+    pytest.param("triton-128", "sliding-causal", sparse_flops("sliding-causal", 128), {}, marks=triton_on_cpu),
     ("flex-128", "bigbird-itc", sparse_flops("bigbird-itc", 128), {}),
     ("flex-64", "bigbird-itc", sparse_flops("bigbird-itc", 64), {}),
     ("sdpa", "sliding-causal", 4 * 2 * 2 * 80 * 80 * 16 // 2, {}),            # dense, causal: half

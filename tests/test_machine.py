@@ -5,17 +5,12 @@ import subprocess
 import torch
 
 from sparse_attn import machine
-
-
-def _release(version):
-    """A version without its local label: the installed metadata may say 2.11.0 where torch.__version__ says
-    2.11.0+cu130 (as on a GPU image)."""
-    return version.split("+")[0]
+from tests.helpers import release
 
 
 def test_versions_cpus_cpu_model_and_load_average():
     found = machine.versions(["torch", "no-such-package"])
-    assert found["no-such-package"] is None and _release(found["torch"]) == _release(torch.__version__)
+    assert found["no-such-package"] is None and release(found["torch"]) == release(torch.__version__)
     assert 1 <= machine.cpus() and machine.cpu_model()
     assert len(machine.load_average()) == 3 and min(machine.load_average()) >= 0
 
@@ -23,7 +18,7 @@ def test_versions_cpus_cpu_model_and_load_average():
 def test_describe_has_what_results_json_records():
     info = machine.describe()
     assert {"platform", "machine", "processor", "cpus", "python", "versions", "torch_threads"} <= set(info)
-    assert _release(info["versions"]["torch"]) == _release(torch.__version__) and info["cpus"] == machine.cpus()
+    assert release(info["versions"]["torch"]) == release(torch.__version__) and info["cpus"] == machine.cpus()
     assert ("gpu" in info) == torch.cuda.is_available()
 
 

@@ -34,7 +34,7 @@ Decoders (Llama, ...) and encoders (BERT, RoBERTa, ...) hand the attention the `
 are called with. Packed batches with a KV cache are refused at the cached step.
 
 Generation in bounded memory: ``model.generate(..., cache=SparseCache(model))`` (``past_key_values=`` before
-transformers 5.x renamed it: ``CACHE_KEYWORD`` is the installed one's) keeps, in each
+transformers 5.24 renamed it: ``CACHE_KEYWORD`` is the installed one's) keeps, in each
 layer, only the keys that layer's pattern can still reach (:class:`SparseCache`); the attention function
 finds the absolute positions of the keys it receives through :class:`SparseCacheLayer` (``cache.held_keys``).
 

@@ -27,7 +27,7 @@ from ...kv_cache import SparseKVCache
 from ...pattern import Causal, Pattern
 from .registry import model_pattern, registration
 
-# The keyword generate() and a model's forward take a KV cache under: `cache` since transformers renamed it in 5.x
+# The keyword generate() and a model's forward take a KV cache under: `cache` since transformers renamed it in 5.24
 # (`past_key_values` still works there, deprecated), `past_key_values` before.
 CACHE_KEYWORD = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
     else "past_key_values"
