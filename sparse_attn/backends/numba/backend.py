@@ -21,7 +21,7 @@ import torch
 from ...layout import BlockLayout, KernelIndex
 from ...score_mods import NO_MODS, ScoreMods
 from .backward import backward_kernel, delta_rows, maxima_by_key_block, sum_parts
-from .bf16 import backward_operands, bits, forward_operands
+from .bf16 import backward_operands, bits, float32_brgemm, forward_operands
 from .bf16 import native as native_bf16
 from .bundles import Config, ForwardResult, Gradients, Incoming, block_index
 from .exact import exact_dq_rows
@@ -42,8 +42,10 @@ def available() -> tuple[bool, str]:
     except ValueError as error:
         return False, f"backend='numba' has no BLAS for its matmuls: {error}"
     bf16, why = native_bf16()
+    float32, route = float32_brgemm()
     return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads; matmuls on {blas.name}; " \
-                 f"bfloat16: " + (why if bf16 else f"computed in float32 ({why})")
+                 f"float32: " + (f"matmuls on {route}" if float32 else f"matmuls on {blas.name} ({route})") + \
+                 "; bfloat16: " + (why if bf16 else f"computed in float32 ({why})")
 
 
 def check(q, k, v, layout: BlockLayout) -> None:
@@ -74,6 +76,12 @@ def bf16_matmuls(q: torch.Tensor, block_size: int) -> bool:
     return q.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0 and block_size % 2 == 0 and native_bf16()[0]
 
 
+def _brgemm_operands(q: torch.Tensor) -> bool:
+    """Whether the kernels run the matmuls of contiguous q (float32 or bf16 as computed) on brgemm operands:
+    bf16 ones (``bf16_matmuls`` chose them), or float32 ones where ``bf16.float32_brgemm``."""
+    return q.dtype == torch.bfloat16 or (q.dtype == torch.float32 and float32_brgemm()[0])
+
+
 @torch.library.custom_op("sparse_attn::numba_attention", mutates_args=())
 def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: list[torch.Tensor], block_size: int,
                     scale: float, softcap: float = 0.0,
@@ -87,8 +95,8 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     score maximum and log2 of its sum, and the key holding the maximum."""
     dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ops = None if dtype == q.dtype else forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
-                                                        panel_capacity(block_size, k.shape[2]))
+    ops = forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
+                           panel_capacity(block_size, k.shape[2]), scale * _LOG2E) if _brgemm_operands(q) else None
     out = q.new_empty(q.shape, dtype=dtype)                                      # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
@@ -127,8 +135,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
-    ops = None if dtype == q.dtype else backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
-                                                         panel_capacity(block_size, n_q))
+    ops = backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
+                            panel_capacity(block_size, n_q), scale * _LOG2E) if _brgemm_operands(q) else None
     costs = task_costs(idx.full_t_ptr, idx.part_t_ptr, batch, heads, (k.shape[0], k.shape[1]))
     schedule = static_schedule(heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.

@@ -1,5 +1,7 @@
 """bfloat16 matmuls for the Numba kernels: oneDNN's brgemm micro-kernel (through torch), bf16 operands
-packed the way it reads them, and float32 -> bf16 rounding inside the kernels.
+packed the way it reads them, and float32 -> bf16 rounding inside the kernels; and the same brgemm for
+float32 on CPUs with AVX-512 (``float32_brgemm``), where it runs the kernels' products at about twice
+MKL's rate.
 
 >>> import torch
 >>> from sparse_attn.backends.numba.bf16 import pairs, to_float
@@ -16,8 +18,9 @@ which does not use the bf16 instructions on AMD (docs/backend-numba.md has the t
 operand is "VNNI" packed: rows in pairs, (K/2, N, 2), so a bf16 pair of B is one 32-bit lane.
 
 The kernels reach these matmuls through the overloaded functions below: with ``ops = None`` they are
-the float32/float64 BLAS calls, with a bundle of packed bf16 operands the brgemm calls, so the
-kernels have one body for both.
+the float32/float64 BLAS calls, with a bundle of packed bf16 (uint16) or float32 operands the brgemm
+calls, so the kernels have one body for all three. float32 operands are plain: B row-major, K^T (and
+Q^T, dO^T) transposed copies, a trailing axis of 1 where bf16 has its pairs.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -44,7 +47,12 @@ _BRGEMM = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
 # brgemm without this release first runs tile instructions unconfigured: SIGILL. Every worker releases when
 # its share of a kernel is done, as torch's own CPU flash attention does.
 _BRGEMM_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
-ROW_MULTIPLE = 256  # pairs_t's rows are padded to a multiple of this
+# The same for float32 A, B and C (is_vnni must be false): oneDNN's AVX-512 kernels where the CPU has them
+_BRGEMM_F32 = "_ZN2at6native7cpublas6brgemmEllllllbPKfS3_Pfb"
+ROW_MULTIPLE = 256  # pairs_t's and transposed's rows are padded to a multiple of this
+SKEW = 16           # and transposed's by this many more: a power-of-two leading dimension maps B's rows onto
+                    # the same cache sets (S = Q K^T at 576 keys: 188 GFLOP/s at ld 4096, 205 at 4112)
+FLOAT32_VARIABLE = "SPARSE_ATTN_NUMBA_FLOAT32"  # "brgemm" or "blas": which float32 matmuls; unset: by the CPU
 
 
 @functools.cache
@@ -58,6 +66,39 @@ def _cpu_has_bf16() -> bool:
     """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX-BF16), as LLVM reads its features."""
     features = llvm.get_host_cpu_features()
     return bool(features.get("avx512bf16") or features.get("amx-bf16"))
+
+
+@functools.cache
+def _float32_address() -> dict[str, int] | None:
+    """The address of torch's float32 brgemm (and brgemm_release), or None where this torch does not export them."""
+    return torch_cpu_exports(_BRGEMM_F32, _BRGEMM_RELEASE)
+
+
+def float32_brgemm() -> tuple[bool, str]:
+    """(whether float32 inputs run their matmuls on oneDNN's brgemm rather than the BLAS, why). By default on
+    a CPU with AVX-512 (LLVM's ``avx512f``): there oneDNN runs the kernels' 64-row products at about twice
+    the rate of MKL's sgemm, which takes its AVX2 path on AMD (docs/backend-numba.md); elsewhere the BLAS is
+    faster. ``SPARSE_ATTN_NUMBA_FLOAT32=brgemm`` or ``=blas`` picks one. Needs torch's float32 brgemm and
+    oneDNN enabled.
+
+    >>> isinstance(float32_brgemm()[0], bool)
+    True
+    """
+    wanted = os.environ.get(FLOAT32_VARIABLE, "")
+    if wanted not in ("", "brgemm", "blas"):
+        raise ValueError(f"{FLOAT32_VARIABLE}={wanted!r} is not a float32 matmul route for the numba backend: set "
+                         f"it to 'brgemm' (oneDNN through torch) or 'blas' (the BLAS's sgemm), or unset it")
+    if wanted == "blas":
+        return False, f"{FLOAT32_VARIABLE}=blas"
+    if _float32_address() is None:
+        return False, f"this torch ({torch.__version__}) exports no float32 brgemm"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False, "oneDNN is disabled (torch.backends.mkldnn.enabled)"
+    if wanted == "brgemm":
+        return True, f"{FLOAT32_VARIABLE}=brgemm"
+    if not llvm.get_host_cpu_features().get("avx512f"):
+        return False, "no AVX-512 on this CPU (the BLAS's sgemm is faster there)"
+    return True, "oneDNN brgemm (AVX-512)"
 
 
 def native() -> tuple[bool, str]:
@@ -77,7 +118,7 @@ def native() -> tuple[bool, str]:
 
 def _add_symbols() -> None:
     """Let Numba's linker resolve the torch functions, before any cached kernel that calls them links."""
-    for name, address in (_addresses() or {}).items():
+    for name, address in {**(_addresses() or {}), **(_float32_address() or {})}.items():
         llvm.add_symbol(name, address)
 
 
@@ -114,16 +155,56 @@ def pairs_t(t: torch.Tensor) -> np.ndarray:
     return packed.numpy().view(np.uint16).reshape(*packed.shape, 2)
 
 
+def transposed(t: torch.Tensor, alpha: float) -> np.ndarray:
+    """alpha t, t (..., N, D) float32 contiguous, as brgemm's B for a product over D (t.T): (..., D, N', 1)
+    float32, N' = N rounded up to a multiple of ``ROW_MULTIPLE``, plus ``SKEW`` (zeros after N): ``pairs_t``
+    for float32, with the product's scale (brgemm has no alpha) folded in."""
+    *lead, n, dim = t.shape
+    packed = torch.empty((*lead, dim, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW))                  # (..., D, N')
+    _transpose_scaled(t.reshape(-1, n, dim).numpy(), np.float32(alpha), packed.view(-1, *packed.shape[-2:]).numpy())
+    return packed.unsqueeze(-1).numpy()
+
+
+_TILE = 64  # _transpose_scaled's tasks: 64 keys of a (batch, head)
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _transpose_scaled(x, alpha, out):
+    """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0: a task per _TILE keys of
+    a group, read in rows and written in rows through a tile of its own (torch's transposed copy, which
+    writes element by element, takes about twice as long)."""
+    groups, n, dim = x.shape
+    width = out.shape[2]
+    tiles = -(-width // _TILE)
+    for t in prange(groups * tiles):
+        g, j0 = t // tiles, t % tiles * _TILE
+        j1 = min(j0 + _TILE, width)
+        tile = np.empty((dim, _TILE), x.dtype)                                      # (D, _TILE)
+        for j in range(j0, j1):
+            for d in range(dim):
+                tile[d, j - j0] = alpha * x[g, j, d] if j < n else 0
+        for d in range(dim):
+            out[g, d, j0:j1] = tile[d, :j1 - j0]
+
+
+def singles(t: torch.Tensor) -> np.ndarray:
+    """t (..., N, D) float32, contiguous, as brgemm's B for a product over N: (..., N, D, 1), a view (``pairs``
+    for float32: one row per "pair")."""
+    return t.unsqueeze(-1).numpy()
+
+
 # ------------------------------------------------------------------------------------------------
 # Kernel side: brgemm, rounding
 # ------------------------------------------------------------------------------------------------
 @intrinsic
 def _call_brgemm(typingctx, m, n, k, ld_a, ld_b, ld_c, add, a, b, c):
-    """torch's brgemm on the data of arrays a (uint16), b (uint16, packed), c (float32)."""
+    """torch's brgemm on the data of arrays a, b (uint16: bf16 bits, b packed; or float32) and c (float32)."""
+    symbol, vnni = (_BRGEMM_F32, 0) if a.dtype == types.float32 else (_BRGEMM, 1)  # float32 refuses is_vnni
+
     def codegen(context, builder, signature, args):
         i64, i32, void_p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
         fnty = ir.FunctionType(ir.VoidType(), [i64] * 6 + [i32, void_p, void_p, void_p, i32])  # bools as int
-        fn = cgutils.get_or_insert_function(builder.module, fnty, _BRGEMM)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, symbol)
 
         def data(value, ty):
             return builder.bitcast(context.make_array(ty)(context, builder, value).data, void_p)
@@ -131,7 +212,7 @@ def _call_brgemm(typingctx, m, n, k, ld_a, ld_b, ld_c, add, a, b, c):
         sig = signature.args
         sizes = [context.cast(builder, v, t, types.int64) for v, t in zip(args[:6], sig[:6])]
         builder.call(fn, [*sizes, builder.zext(args[6], i32), data(args[7], sig[7]), data(args[8], sig[8]),
-                          data(args[9], sig[9]), ir.Constant(i32, 1)])
+                          data(args[9], sig[9]), ir.Constant(i32, vnni)])
         return context.get_dummy_value()
     return types.void(m, n, k, ld_a, ld_b, ld_c, add, a, b, c), codegen
 
@@ -139,16 +220,27 @@ def _call_brgemm(typingctx, m, n, k, ld_a, ld_b, ld_c, add, a, b, c):
 @njit(cache=True)
 def brgemm(a, b, ld_b, c, add):
     """c (M, N) (+)= a (M, K) @ B, B (K/2, ld_b, 2) packed by ``pairs`` and read from the start of the
-    flat uint16 array b. a, c: row slices with unit column stride (any row stride); K = a's columns, even
-    (on AMX an odd K reads and writes out of bounds)."""
+    flat uint16 array b, or for float32 a and b, B (K, ld_b) row-major. a, c: row slices with unit column
+    stride (any row stride); K = a's columns, even for bf16 (on AMX an odd K reads and writes out of bounds)."""
     m, n = c.shape
-    if a.shape[1] % 2:
+    if _unpaired(a):
         raise ValueError("brgemm: a must have an even number of columns (B is packed in pairs of rows)")
     if m == 0 or n == 0 or a.shape[1] == 0:
         if not add:
             c[:] = 0
         return
-    _call_brgemm(m, n, a.shape[1], a.strides[0] // 2, ld_b, c.strides[0] // 4, add, a, b, c)
+    _call_brgemm(m, n, a.shape[1], a.strides[0] // a.itemsize, ld_b, c.strides[0] // 4, add, a, b, c)
+
+
+def _unpaired(a):
+    """Whether bf16 a (uint16) has an odd number of columns; never for float32."""
+
+
+@overload(_unpaired)
+def _unpaired_impl(a):
+    if a.dtype == types.uint16:
+        return lambda a: a.shape[1] % 2 == 1
+    return lambda a: False
 
 
 @intrinsic
@@ -163,12 +255,13 @@ def _call_brgemm_release(typingctx):
 
 
 def release_tiles(ops):
-    """After a worker's last matmul of a kernel: hand the AMX tiles back (bf16 operands; nothing for None)."""
+    """After a worker's last matmul of a kernel: hand the AMX tiles back (bf16 operands; nothing for None or
+    float32, which uses no tiles)."""
 
 
 @overload(release_tiles)
 def _release_tiles(ops):
-    if isinstance(ops, types.NoneType):
+    if isinstance(ops, types.NoneType) or _float32(ops):
         return lambda ops: None
     return lambda ops: _call_brgemm_release()
 
@@ -243,25 +336,31 @@ def even(n):
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernels' matmuls: float (ops = None: BLAS ?gemm) or bf16 (ops: packed operands, brgemm)
+# The kernels' matmuls: BLAS ?gemm (ops = None), or brgemm on packed operands (ops: bf16 or float32 ones)
 # ------------------------------------------------------------------------------------------------
 class ForwardOperands(NamedTuple):
-    """bf16 operands of the forward (from ``forward_operands``), or one query block's (``head_forward``)."""
+    """brgemm operands of the forward (from ``forward_operands``), or one query block's (``head_forward``):
+    bf16 (uint16) packed in pairs, or float32 (the trailing axis 1)."""
 
-    q: np.ndarray          # (B, Hq, Nq, D) uint16
-    kt: np.ndarray         # (Bkv, Hkv, D/2, Nk, 2) k.T packed
-    v: np.ndarray          # (Bkv, Hkv, ceil(Nk/2), D, 2) v packed
-    p: np.ndarray          # (workers, rows * even(width)) scratch: P in bf16
+    q: np.ndarray          # (B, Hq, Nq, D) uint16; float32: q itself (unused: the kernel's own rows are A)
+    kt: np.ndarray         # (Bkv, Hkv, D/2, Nk', 2) k.T packed; float32 (Bkv, Hkv, D, Nk', 1): alpha k.T
+    v: np.ndarray          # (Bkv, Hkv, ceil(Nk/2), D, 2) v packed; float32 (Bkv, Hkv, Nk, D, 1), a view
+    p: np.ndarray          # (workers, rows * even(width)) scratch: P in bf16; float32: (workers, 0), unused
 
 
 def forward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workers: int, rows: int,
-                     width: int) -> ForwardOperands:
-    """The packed bf16 operands of a forward, and scratch for ``workers`` panels of rows x width."""
+                     width: int, alpha: float) -> ForwardOperands:
+    """The brgemm operands of a forward of contiguous q, k, v, and scratch for ``workers`` panels of rows x
+    width: bf16 ones for bf16 inputs, float32 ones for float32 (k.T scaled by the scores' alpha)."""
+    if q.dtype == torch.float32:
+        return ForwardOperands(q.numpy(), transposed(k, alpha), singles(v), np.empty((workers, 0), np.float32))
     return ForwardOperands(bits(q), pairs_t(k), pairs(v), np.empty((workers, rows * even(width)), np.uint16))
 
 
 class BackwardOperands(NamedTuple):
-    """bf16 operands of the backward (from ``backward_operands``), or one (key block, query head)'s."""
+    """brgemm operands of the backward (from ``backward_operands``), or one (key block, query head)'s: bf16
+    as below, or float32 with k, v as they are, the trailing axis 1 for the pairs, and ``halves`` (workers,
+    1, cols * width): scale dS, transposed; qt holds alpha q.T."""
 
     k: np.ndarray          # (Bkv, Hkv, Nk, D) uint16
     v: np.ndarray          # (Bkv, Hkv, Nk, D)
@@ -274,8 +373,12 @@ class BackwardOperands(NamedTuple):
 
 
 def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, workers: int,
-                      cols: int, width: int) -> BackwardOperands:
-    """The packed bf16 operands of a backward, and scratch for ``workers`` panels of cols x width."""
+                      cols: int, width: int, alpha: float) -> BackwardOperands:
+    """The brgemm operands of a backward of contiguous q, k, v and dout, and scratch for ``workers`` panels
+    of cols x width: bf16 ones for bf16 inputs, float32 ones for float32 (q.T scaled by the scores' alpha)."""
+    if q.dtype == torch.float32:
+        return BackwardOperands(k.numpy(), v.numpy(), singles(k), transposed(q, alpha), transposed(dout, 1), singles(q),
+                                singles(dout), np.empty((workers, 1, cols * width), np.float32))
     dout = dout.to(torch.bfloat16)
     return BackwardOperands(bits(k), bits(v), pairs(k), pairs_t(q), pairs_t(dout), pairs(q), pairs(dout),
                             np.empty((workers, 3, even(cols) * even(width)), np.uint16))
@@ -305,10 +408,15 @@ def _head_backward(ops, w, b, e, h, g, keys):
         ops.dout_pairs[b, h], ops.halves[w])
 
 
+def _float32(ops):
+    """Whether ops are float32 brgemm operands (not None, not bf16): typing only, for the overloads below."""
+    return not isinstance(ops, types.NoneType) and ops.types[1].dtype == types.float32
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def _nt(a, bt, lo, alpha, out):
-    """out (rows, n) = alpha a @ x[lo:lo + n].T, x.T packed in bt (D/2, N, 2)."""
-    brgemm(a, bt.reshape(-1)[lo * 2:], bt.shape[1], out, False)
+    """out (rows, n) = alpha a @ x[lo:lo + n].T, x.T packed in bt (D/2, N', 2), or (D, N', 1) for float32."""
+    brgemm(a, bt.reshape(-1)[lo * bt.shape[2]:], bt.shape[1], out, False)
     if alpha == 1:
         return
     for i in range(out.shape[0]):
@@ -318,10 +426,11 @@ def _nt(a, bt, lo, alpha, out):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _nn_add(a, c0, c1, b_pairs, lo, hi, out):
-    """out (rows, D) += a[:, c0:c1] @ x[lo:hi], x packed in pairs of rows in b_pairs (ceil(N/2), D, 2).
-    The row range widens to even bounds: a's extra columns must hold 0 (masked pairs of the same block,
-    or the zero column after the sequence's last row)."""
-    shift, tail, dim = lo & 1, hi & 1, out.shape[1]
+    """out (rows, D) += a[:, c0:c1] @ x[lo:hi], x packed in pairs of rows in b_pairs (ceil(N/2), D, 2), or
+    row-major in float32 b_pairs (N, D, 1). For pairs the row range widens to even bounds: a's extra columns
+    must hold 0 (masked pairs of the same block, or the zero column after the sequence's last row)."""
+    pair, dim = b_pairs.shape[2], out.shape[1]
+    shift, tail = lo % pair, hi % pair
     brgemm(a[:, c0 - shift:c1 + tail], b_pairs.reshape(-1)[(lo - shift) * dim:], dim, out, True)
 
 
@@ -333,6 +442,8 @@ def scores(ops, alpha, q, k, lo, hi, s):
 def _scores(ops, alpha, q, k, lo, hi, s):
     if isinstance(ops, types.NoneType):
         return lambda ops, alpha, q, k, lo, hi, s: gemm(alpha, q, False, k[lo:hi], True, alpha - alpha, s)
+    if _float32(ops):                                    # alpha is in ops.kt
+        return lambda ops, alpha, q, k, lo, hi, s: _nt(q, ops.kt, lo, np.float32(1), s)
     return lambda ops, alpha, q, k, lo, hi, s: _nt(ops.q, ops.kt, lo, alpha, s)
 
 
@@ -343,7 +454,7 @@ def row_window(ops, r0, r1, rows):
 
 @overload(row_window)
 def _row_window(ops, r0, r1, rows):
-    if isinstance(ops, types.NoneType):
+    if isinstance(ops, types.NoneType) or _float32(ops):
         return lambda ops, r0, r1, rows: (r0, r1)
     return lambda ops, r0, r1, rows: (0, rows) if r0 < r1 else (r0, r1)
 
@@ -354,7 +465,7 @@ def probabilities(ops, p):
 
 @overload(probabilities)
 def _probabilities(ops, p):
-    if isinstance(ops, types.NoneType):
+    if isinstance(ops, types.NoneType) or _float32(ops):
         return lambda ops, p: None
     return lambda ops, p: to_bf16(p, np.float32(1), _view(ops.p, p.shape[0], even(p.shape[1])), even(p.shape[1]))
 
@@ -370,6 +481,8 @@ def _add_pv(ops, p, c0, c1, v, lo, hi, acc):
             one = p.dtype.type(1)
             gemm(one, p[:, c0:c1], False, v[lo:hi], False, one, acc)
         return blas
+    if _float32(ops):
+        return lambda ops, p, c0, c1, v, lo, hi, acc: _nn_add(p, c0, c1, ops.v, lo, hi, acc)
     return lambda ops, p, c0, c1, v, lo, hi, acc: _nn_add(_view(ops.p, p.shape[0], even(p.shape[1])), c0, c1,
                                                           ops.v, lo, hi, acc)
 
@@ -387,6 +500,11 @@ def _scores_t(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
             gemm(alpha, key_block.k, False, q[lo:hi], True, zero, st)
             gemm(one, key_block.v, False, dout[lo:hi], True, zero, dpt)
         return blas
+    if _float32(ops):
+        def float32(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
+            _nt(key_block.k, ops.qt, lo, np.float32(1), st)                   # alpha is in ops.qt
+            _nt(key_block.v, ops.doutt, lo, np.float32(1), dpt)
+        return float32
 
     def bf16(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
         _nt(ops.k, ops.qt, lo, alpha, st)
@@ -396,13 +514,21 @@ def _scores_t(ops, alpha, key_block, q, dout, lo, hi, st, dpt):
 
 def grad_operands(ops, st, dpt, scale):
     """Backward, before ``add_grads``: dS.T and P.T (cols, W) in the matmul dtype (bf16: scale dS.T,
-    its transpose and P.T into ops.halves)."""
+    its transpose and P.T into ops.halves; float32: st scaled in place, its transpose into ops.halves)."""
 
 
 @overload(grad_operands)
 def _grad_operands(ops, st, dpt, scale):
     if isinstance(ops, types.NoneType):
         return lambda ops, st, dpt, scale: None
+    if _float32(ops):
+        def float32(ops, st, dpt, scale):
+            cols, width = st.shape
+            for i in range(cols):
+                for j in range(width):
+                    st[i, j] *= scale
+            transpose(st, _view(ops.halves[0], width, cols))
+        return float32
 
     def bf16(ops, st, dpt, scale):
         cols, width = st.shape
@@ -434,6 +560,14 @@ def _add_grads(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
             gemm(scale, st[:, c0:c1], False, q[q0:q1], False, one, key_block.dk)
             gemm(scale, st[:, c0:c1], True, key_block.k, False, one, dq[q0:q1])
         return blas
+    if _float32(ops):
+        def float32(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
+            cols, width = st.shape                               # st: scale dS.T, after grad_operands
+            ds = _view(ops.halves[0], width, cols)
+            _nn_add(dpt, c0, c1, ops.dout_pairs, q0, q1, key_block.dv)
+            _nn_add(st, c0, c1, ops.q_pairs, q0, q1, key_block.dk)
+            brgemm(ds[c0:c1], ops.k_pairs.reshape(-1)[key_block.start * q.shape[1]:], q.shape[1], dq[q0:q1], True)
+        return float32
 
     def bf16(ops, scale, key_block, st, dpt, c0, c1, q, dout, q0, q1, dq):
         cols, width = st.shape
