@@ -32,3 +32,16 @@ def pieces_of(monkeypatch):
         monkeypatch.setattr(work_split, "MIN_PIECE_BLOCKS", blocks)
         monkeypatch.setattr(triton_gpu, "_programs", lambda device: 1 << 30)
     return cut
+
+
+@pytest.fixture(params=["blas", "brgemm"])
+def float32_route(request, monkeypatch):
+    """The numba backend's float32 matmuls on each route (``bf16.float32_brgemm``: the BLAS's sgemm, or oneDNN's
+    brgemm on transposed operands), whichever this CPU takes by default."""
+    from sparse_attn.backends.numba import bf16
+
+    monkeypatch.setenv(bf16.FLOAT32_VARIABLE, request.param)
+    usable, why = bf16.float32_brgemm()
+    if request.param == "brgemm" and not usable:
+        pytest.skip(f"float32 brgemm does not run here: {why}")
+    return request.param

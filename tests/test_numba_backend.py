@@ -39,7 +39,7 @@ def test_float64_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_float32_within_tolerance_rule(case):
+def test_float32_within_tolerance_rule(case, float32_route):
     (q, k, v), layout = case_inputs(case, torch.float32)
     out, lse, grads = run_case("numba", q, k, v, layout)
     base_out, base_lse, base_grads = run_case("reference", q, k, v, layout)
@@ -58,7 +58,7 @@ def test_float32_within_tolerance_rule(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
-def test_non_finite_inputs_reach_exactly_what_meets_them(tensor, value, dtype):
+def test_non_finite_inputs_reach_exactly_what_meets_them(tensor, value, dtype, float32_route):
     """A NaN or inf at token 60 (in a full and in a partial block, next to pairs that causality
     masks inside computed tiles) and at token 35 (a padded key, an empty row) of one tensor. Before,
     a NaN query row gave out 0 and lse -inf as if empty, a NaN key was dropped, and the backward
@@ -83,7 +83,7 @@ def _same_sign_rows(shape, magnitude, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype, magnitude", [(torch.float32, 1e19), (torch.float64, 1e160)])
-def test_overflowing_inputs_agree_with_the_reference(dtype, magnitude):
+def test_overflowing_inputs_agree_with_the_reference(dtype, magnitude, float32_route):
     """Scores that overflow to +inf give NaN rows with lse +inf, rows whose every score is -inf are
     empty, as in the reference; inputs of magnitude 1e19 used to give all-zero float32 rows.
     First every score overflows, then those of 6 huge queries with 6 huge keys (other rows see the
@@ -100,7 +100,7 @@ def test_overflowing_inputs_agree_with_the_reference(dtype, magnitude):
     assert torch.isnan(out[:, :, 70:76]).any() and torch.isfinite(out[:, :, 80:]).all()
 
 
-def test_huge_scale_backward_is_exact():
+def test_huge_scale_backward_is_exact(float32_route):
     """scale=1e10 (Dense, N=64) makes every softmax one-hot: dv = the dO of the rows each key wins,
     and dq, dk come from the lse term alone, as torch computes them. The backward recomputes P from
     scores of order 1e11, where BLAS rounds the forward's and the backward's matmul shapes a few
@@ -117,7 +117,7 @@ def test_huge_scale_backward_is_exact():
 
 @pytest.mark.parametrize("pattern, n", [(sa.Dense(), 256), (sa.Local(100) | sa.Global(first=3), 1000)],
                          ids=["dense-256", "longformer-1000"])
-def test_large_logits_backward_within_rule(pattern, n):
+def test_large_logits_backward_within_rule(pattern, n, float32_route):
     """Logits with std ~900 (float32): out, lse, dq, dk, dv within the tolerance rule against float64.
     Before, dv had 3e-3 against torch's 2e-5 (dense-256): BLAS rounds a score a few ulps apart in
     the backward's matmul shapes and the forward's, and exp2 makes that P's relative error (the
@@ -691,3 +691,23 @@ def test_panels_of_some_rows_match_the_reference(name):
         results.append((out, lse, *grads))
     for name_, got, want in zip(_OUTPUTS, *results):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12, msg=name_)
+
+
+@pytest.mark.parametrize("name", list(ROW_WINDOW_CASES))
+def test_float32_panels_of_some_rows_within_rule(name, float32_route):
+    """The same panels in float32 on each matmul route (the brgemm route multiplies the row window's rows of
+    q, and the backward's of k and v), against the float64 reference within the tolerance rule."""
+    pattern, n, modifiers = ROW_WINDOW_CASES[name]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    layout = pattern.layout(n, heads=2, block_size=64)
+    results = []
+    for backend, dtype in (("numba", torch.float32), ("reference", torch.float32), ("reference", torch.float64)):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = sparse_attention(*leaves, layout, backend=backend, return_lse=True, **modifiers)
+        w_out, w_lse = (torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+                        for x in (out, lse))                                    # a random linear loss, as run_case's
+        grads = torch.autograd.grad((out * w_out.to(dtype)).sum() + (lse * w_lse.to(dtype)).sum(), leaves)
+        results.append((out, lse, *grads))
+    for name_, got, base, want in zip(_OUTPUTS, *results):
+        assert_within_rule(name_, got, want, base)

@@ -7,6 +7,7 @@ import doctest
 import subprocess
 import sys
 
+import llvmlite.binding as llvm
 import numpy as np
 import pytest
 import torch
@@ -136,7 +137,9 @@ def test_odd_head_dim_and_disabled_onednn_compute_in_float32():
 
 def test_available_says_which_path_bf16_takes():
     ok, reason = numba_backend.available()
-    assert ok and "bfloat16: " in reason and (("brgemm" in reason) == NATIVE)
+    bf16 = reason.split("bfloat16: ")[1]
+    assert ok and (("brgemm" in bf16) == NATIVE)
+    assert ("float32: matmuls on oneDNN brgemm" in reason) == numba_bf16.float32_brgemm()[0]
 
 
 def test_round_bf16_matches_torch():
@@ -230,3 +233,43 @@ def test_opcheck_bf16():
 def test_docstring_examples():
     result = doctest.testmod(numba_bf16, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# float32 on brgemm (bf16.float32_brgemm): the same kernels on float32 operands
+# ------------------------------------------------------------------------------------------------
+def test_float32_route_follows_the_variable_and_the_cpu(monkeypatch):
+    monkeypatch.setenv(numba_bf16.FLOAT32_VARIABLE, "blas")
+    assert numba_bf16.float32_brgemm() == (False, "SPARSE_ATTN_NUMBA_FLOAT32=blas")
+    monkeypatch.setenv(numba_bf16.FLOAT32_VARIABLE, "fast")
+    with pytest.raises(ValueError, match="SPARSE_ATTN_NUMBA_FLOAT32='fast'.*'brgemm'.*'blas'.*or unset it"):
+        numba_bf16.float32_brgemm()
+    monkeypatch.delenv(numba_bf16.FLOAT32_VARIABLE)
+    usable, why = numba_bf16.float32_brgemm()
+    avx512 = bool(llvm.get_host_cpu_features().get("avx512f"))
+    assert usable == avx512 and ("AVX-512" in why)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert numba_bf16.float32_brgemm() == (False, "oneDNN is disabled (torch.backends.mkldnn.enabled)")
+
+
+@pytest.mark.parametrize("n", [1, 100, 1000])
+def test_transposed_scales_pads_and_zeroes(n):
+    """alpha k.T, (..., D, N', 1): N' a multiple of ROW_MULTIPLE plus SKEW, zeros after the keys."""
+    k = torch.randn(2, 3, n, 16, generator=torch.Generator().manual_seed(n))
+    packed = numba_bf16.transposed(k, 0.75)
+    width = -(-n // numba_bf16.ROW_MULTIPLE) * numba_bf16.ROW_MULTIPLE + numba_bf16.SKEW
+    assert packed.shape == (2, 3, 16, width, 1) and packed.dtype == np.float32
+    got = torch.from_numpy(packed[..., 0])
+    assert torch.equal(got[..., :n], (0.75 * k).transpose(-1, -2)) and (got[..., n:] == 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")   # torch.backends.mkldnn.flags' own
+def test_float32_routes_run_their_own_operands(monkeypatch, float32_route):
+    """The brgemm route transposes k (forward), q and dO (backward) for brgemm; the BLAS route reads them as
+    they are. Both within the rule (test_numba_backend runs every float32 case on both)."""
+    made = []
+    transposed = numba_bf16.transposed
+    monkeypatch.setattr(numba_bf16, "transposed", lambda t, alpha: made.append(tuple(t.shape)) or transposed(t, alpha))
+    (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.float32)
+    run_case("numba", q, k, v, layout)
+    assert made == ([tuple(k.shape), tuple(q.shape), tuple(q.shape)] if float32_route == "brgemm" else [])

@@ -95,8 +95,6 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     score maximum and log2 of its sum, and the key holding the maximum."""
     dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    ops = forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
-                           panel_capacity(block_size, k.shape[2]), scale * _LOG2E) if _brgemm_operands(q) else None
     out = q.new_empty(q.shape, dtype=dtype)                                      # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
@@ -105,7 +103,9 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     order = heaviest_first(task_costs(idx.full_ptr, idx.part_ptr, q.shape[0], q.shape[1]))
     rows = _row_index(idx)
     result = ForwardResult(out.numpy(), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
-    with KERNELS.running():
+    with KERNELS.running():                             # the float32 operands' transposition is a parallel kernel
+        ops = forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
+                               panel_capacity(block_size, k.shape[2]), scale * _LOG2E) if _brgemm_operands(q) else None
         forward_kernel((_array(q), _array(k), _array(v)), ops, rows,
                        _config(dtype, block_size, scale, softcap, alibi_slopes, q.shape[2], k.shape[2]), order,
                        numba.get_num_threads(), result)
@@ -135,8 +135,6 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
-    ops = backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
-                            panel_capacity(block_size, n_q), scale * _LOG2E) if _brgemm_operands(q) else None
     costs = task_costs(idx.full_t_ptr, idx.part_t_ptr, batch, heads, (k.shape[0], k.shape[1]))
     schedule = static_schedule(heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
@@ -153,6 +151,8 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                           idx.masks, transposed=True)
     config = _config(dtype, block_size, scale, softcap, alibi_slopes, n_q, k.shape[2])
     with KERNELS.running():
+        ops = backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
+                                panel_capacity(block_size, n_q), scale * _LOG2E) if _brgemm_operands(q) else None
         delta_rows(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
                    dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
         maxima = maxima_by_key_block(result.argmax, block_size, idx.full_t_ptr.shape[2] - 1)

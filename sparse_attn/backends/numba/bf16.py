@@ -410,7 +410,7 @@ def _head_backward(ops, w, b, e, h, g, keys):
 
 def _float32(ops):
     """Whether ops are float32 brgemm operands (not None, not bf16): typing only, for the overloads below."""
-    return not isinstance(ops, types.NoneType) and ops.types[1].dtype == types.float32
+    return isinstance(ops, types.BaseNamedTuple) and ops.types[1].dtype == types.float32
 
 
 @njit(cache=True, fastmath=FASTMATH)
