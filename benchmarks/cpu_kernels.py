@@ -248,6 +248,11 @@ def _target_lines(results, mm_gflops, bf16_gflops) -> list[str]:
                          f"{bf16['forward_gflops']:.1f} GFLOP/s against the bf16 matmul rate's {bf16_gflops:.1f} "
                          f"(target >= 50% of it)")
         best = _fastest_flex(at, n)
+        if bf16 and flex_bf16 and best and best["forward_s"] < flex_bf16["forward_s"]:
+            lines.append(f"- N={n}: FlexAttention is faster in float32 than in bf16 here ({best['impl']} "
+                         f"{best['forward_s'] * 1e3:.1f} ms, {flex_bf16['impl']} {flex_bf16['forward_s'] * 1e3:.1f} ms): "
+                         f"numba-bf16 forward {_faster(best['forward_s'], bf16['forward_s'])} than that float32 "
+                         f"FlexAttention, a bf16 user's fastest Flex on this CPU")
         if not numba_:
             continue
         if best:
@@ -261,7 +266,10 @@ def _target_lines(results, mm_gflops, bf16_gflops) -> list[str]:
 
 
 def _blas(where: dict) -> str:
-    """", float32 matmuls on MKL (from torch)" where the record names numba's BLAS (runs before it: scipy's)."""
+    """", float32 matmuls on MKL (from torch)" where the record names numba's BLAS (runs before it: scipy's), or
+    the route ``bf16.float32_brgemm`` chose where the record names one (runs before it: the BLAS)."""
+    if where.get("numba_float32_brgemm"):
+        return f", float32 matmuls on {where['numba_float32']}"
     return f", float32 matmuls on {where['numba_blas']}" if "numba_blas" in where else ""
 
 
@@ -270,7 +278,7 @@ def markdown(record: dict) -> str:
     lines = [
         "# CPU kernels: numba vs FlexAttention, reference and dense SDPA, float32 and bfloat16", "",
         f"`{record['command']}`", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+        f"Machine: {m['cpu']}" + (f" ({m['cpu_kind']})" if m.get("cpu_kind") else "") + f", {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
         f"numba {m['numba']} ({m['numba_threads']} threads{_blas(m)}); "
         f"load average {tuple(m['loadavg_before'])} before, "
         f"{tuple(m['loadavg_after'])} after, before each N: "
@@ -360,7 +368,8 @@ def main() -> None:
         return
     lengths, repeats = ([4096], 3) if args.quick else (args.n, args.repeats)
     where = {**header(("torch", "numba")), "torch_threads": torch.get_num_threads(),
-             "numba_threads": numba.get_num_threads(), "numba_blas": matmul_blas().name}
+             "numba_threads": numba.get_num_threads(), "numba_blas": matmul_blas().name,
+             "numba_float32_brgemm": numba_bf16.float32_brgemm()[0], "numba_float32": numba_bf16.float32_brgemm()[1]}
     results, rates, load_by_n = run_sizes(lengths, args.impls, repeats, pattern)
     scale = [] if args.quick or args.no_scale else run_scale_points(args.pattern)
     where["loadavg_after"] = machine.load_average()

@@ -47,6 +47,24 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+_KIND_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides the CPU kernels' paths
+
+
+def cpu_kind() -> str:
+    """What tells CPUs of one model name apart (an "AMD EPYC" may be a Zen 3 without AVX-512 or a Zen 5 with
+    it): ``/proc/cpuinfo``'s family and model and which of avx2, avx512f, avx512_bf16 and amx_bf16 it has,
+    e.g. ``"family 26 model 2: avx2 avx512f avx512_bf16"``; ``""`` where there is no /proc/cpuinfo."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
+    except OSError:
+        return ""
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return (f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}: "
+            + " ".join(flag for flag in _KIND_FLAGS if flag in flags))
+
+
 def load_average() -> tuple[float, float, float]:
     """Runnable processes averaged over the last 1, 5 and 15 minutes (2 decimals, as the kernel keeps them):
     on a shared machine, how busy it was while something was timed (record it before and after)."""

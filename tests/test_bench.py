@@ -203,10 +203,20 @@ def test_the_scripts_run_the_harness_of_one_module():
     assert gpu_kernels.cuda_usable is harness.cuda_usable
 
 
-@pytest.mark.parametrize("name", ["cpu_kernels", "layout_build", "cpu_matmuls"])
-def test_committed_table_is_rendered_from_the_committed_json(name):
-    record = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
-    assert script(name).markdown(record) == (BENCHMARKS / "results" / f"{name}.md").read_text()
+COMMITTED_TABLES = [path.relative_to(BENCHMARKS / "results") for name in ("cpu_kernels", "layout_build", "cpu_matmuls")
+                    for path in sorted((BENCHMARKS / "results").rglob(f"{name}.json"))]
+
+
+@pytest.mark.parametrize("path", COMMITTED_TABLES, ids=str)
+def test_committed_table_is_rendered_from_the_committed_json(path):
+    """Every committed run of these scripts, in results/ and the folders of other machines and patterns."""
+    record = json.loads((BENCHMARKS / "results" / path).read_text())
+    assert script(path.stem).markdown(record) == (BENCHMARKS / "results" / path.with_suffix(".md")).read_text()
+
+
+def test_every_kind_of_committed_table_is_checked():
+    assert {path.stem for path in COMMITTED_TABLES} == {"cpu_kernels", "layout_build", "cpu_matmuls"}
+    assert len(COMMITTED_TABLES) > 3
 
 
 def test_cpu_matmuls_times_every_route_on_every_shape_and_checks_its_products():

@@ -60,3 +60,14 @@ def test_peak_rss_since_a_reset_sees_a_new_allocation_and_the_process_peak_is_ab
     assert machine.status_bytes("VmHWM") - before >= 2**25 * 0.9
     pages.close()
     assert machine.process_peak_bytes() >= machine.status_bytes("VmHWM")
+
+
+def test_cpu_kind_names_family_model_and_the_flags_that_pick_kernel_paths(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n\n"
+                       "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n")
+    real_path = machine.Path
+    monkeypatch.setattr(machine, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    assert machine.cpu_kind() == "family 26 model 2: avx2 avx512f avx512_bf16"
+    monkeypatch.setattr(machine, "Path", lambda p: tmp_path / "missing")
+    assert machine.cpu_kind() == ""

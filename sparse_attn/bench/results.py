@@ -22,7 +22,8 @@ from .. import machine
 def header(packages) -> dict:
     """What a benchmark's record says of the machine: CPU model and count, platform, the versions of ``packages``,
     and the load average before the run (add ``"loadavg_after"`` when it ends)."""
-    return {"cpu": machine.cpu_model(), "cores": machine.cpus(), "platform": platform.platform(),
+    return {"cpu": machine.cpu_model(), "cpu_kind": machine.cpu_kind(), "cores": machine.cpus(),
+            "platform": platform.platform(),
             **machine.versions(packages), "loadavg_before": machine.load_average()}
 
 
