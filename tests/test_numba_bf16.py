@@ -163,6 +163,18 @@ def test_pairs_layouts():
     assert as_float(cols[:, :3]).transpose(1, 0, 2).reshape(3, 4).tolist() == t.float().tolist()
 
 
+@pytest.mark.parametrize("n, dim", [(1, 64), (37, 24), (300, 2), (1000, 64)])
+def test_pairs_t_moves_every_bit_through_the_tiles(n, dim):
+    """The words of bf16 pairs (NaN and inf bits too) land transposed, bit for bit, whether in a full 16 x 16
+    tile or in a ragged end of the keys or the head dim, and the padding is zero."""
+    t = torch.randn(2, 3, n, dim, generator=torch.Generator().manual_seed(n)).bfloat16() * 1000
+    t[0, 0, 0, 0], t[1, 2, -1, -1] = float("nan"), float("-inf")
+    cols = numba_bf16.pairs_t(t)                                             # (2, 3, D/2, N', 2)
+    words = t.contiguous().view(torch.int32).transpose(-1, -2)              # (2, 3, D/2, N)
+    got = torch.from_numpy(cols.reshape(*cols.shape[:-1], 2).view(np.int32)[..., 0])
+    assert torch.equal(got[..., :n], words) and not got[..., n:].any()
+
+
 @needs_native
 @pytest.mark.parametrize("m, n, k, first", [(64, 64, 64, 0), (7, 50, 34, 3), (1, 1, 2, 0), (64, 1024, 64, 10)])
 def test_brgemm_matches_float32_products(m, n, k, first):
@@ -252,7 +264,7 @@ def test_float32_route_follows_the_variable_and_the_cpu(monkeypatch):
         assert numba_bf16.float32_brgemm() == (False, "oneDNN is disabled (torch.backends.mkldnn.enabled)")
 
 
-@pytest.mark.parametrize("n", [1, 100, 1000])
+@pytest.mark.parametrize("n", [1, 100, 1000, 1037])
 def test_transposed_scales_pads_and_zeroes(n):
     """alpha k.T, (..., D, N', 1): N' a multiple of ROW_MULTIPLE plus SKEW, zeros after the keys."""
     k = torch.randn(2, 3, n, 16, generator=torch.Generator().manual_seed(n))

@@ -147,11 +147,11 @@ def pairs_t(t: torch.Tensor) -> np.ndarray:
     rounded up to a multiple of ``ROW_MULTIPLE`` (zeros after N). N' is brgemm's ld_b, part of the key
     of the kernels oneDNN generates and caches (per thread, never evicted): rounded, a KV cache that
     grows by one key per decode step reuses them instead of adding kernels at every length."""
-    words = t.to(torch.bfloat16).contiguous().view(torch.int32).transpose(-1, -2)                # (..., D/2, N)
-    n = words.shape[-1]
-    packed = words.new_empty((*words.shape[:-1], -(-n // ROW_MULTIPLE) * ROW_MULTIPLE))         # (..., D/2, N')
-    packed[..., :n] = words
-    packed[..., n:] = 0
+    words = t.to(torch.bfloat16).contiguous().view(torch.int32)                                   # (..., N, D/2)
+    *lead, n, half = words.shape
+    packed = words.new_empty((*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE))               # (..., D/2, N')
+    _transpose_scaled(words.reshape(-1, n, half).numpy().view(np.uint32), np.uint32(1),
+                      packed.view(-1, *packed.shape[-2:]).numpy().view(np.uint32))
     return packed.numpy().view(np.uint16).reshape(*packed.shape, 2)
 
 
@@ -165,26 +165,34 @@ def transposed(t: torch.Tensor, alpha: float) -> np.ndarray:
     return packed.unsqueeze(-1).numpy()
 
 
-_TILE = 64  # _transpose_scaled's tasks: 64 keys of a (batch, head)
+_TILE = 16  # _transpose_scaled's tiles: 16 x 16 values, moved through a fixed-size block LLVM keeps in registers
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _transpose_scaled(x, alpha, out):
-    """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0: a task per _TILE keys of
-    a group, read in rows and written in rows through a tile of its own (torch's transposed copy, which
-    writes element by element, takes about twice as long)."""
+    """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0. Any dtype: bf16 words
+    (uint32, alpha 1) too. Full 16 x 16 tiles go through a fixed-size block, which LLVM turns into vector
+    shuffles (2x the tile loops with variable bounds, which were 2x torch's transposed copy)."""
     groups, n, dim = x.shape
-    width = out.shape[2]
-    tiles = -(-width // _TILE)
+    tiles = n // _TILE
     for t in prange(groups * tiles):
         g, j0 = t // tiles, t % tiles * _TILE
-        j1 = min(j0 + _TILE, width)
-        tile = np.empty((dim, _TILE), x.dtype)                                      # (D, _TILE)
-        for j in range(j0, j1):
-            for d in range(dim):
-                tile[d, j - j0] = alpha * x[g, j, d] if j < n else 0
+        block = np.empty((_TILE, _TILE), x.dtype)
+        for d0 in range(0, dim - dim % _TILE, _TILE):
+            for i in range(_TILE):
+                for j in range(_TILE):
+                    block[j, i] = alpha * x[g, j0 + i, d0 + j]
+            for j in range(_TILE):
+                for i in range(_TILE):
+                    out[g, d0 + j, j0 + i] = block[j, i]
+        for d in range(dim - dim % _TILE, dim):                               # the head dim's ragged end
+            for i in range(_TILE):
+                out[g, d, j0 + i] = alpha * x[g, j0 + i, d]
+    for g in prange(groups):                                                  # the keys' ragged end, the zeros
         for d in range(dim):
-            out[g, d, j0:j1] = tile[d, :j1 - j0]
+            for j in range(tiles * _TILE, n):
+                out[g, d, j] = alpha * x[g, j, d]
+        out[g, :, n:] = 0
 
 
 def singles(t: torch.Tensor) -> np.ndarray:
