@@ -44,7 +44,7 @@ def available() -> tuple[bool, str]:
     bf16, why = native_bf16()
     float32, route = float32_brgemm()
     return True, f"numba {numba.__version__}, {numba.get_num_threads()} threads; matmuls on {blas.name}; " \
-                 f"float32: " + (f"matmuls on {route}" if float32 else f"matmuls on {blas.name} ({route})") + \
+                 f"float32: " + (f"matmuls on {route}" if float32 else f"matmuls on the BLAS ({route})") + \
                  "; bfloat16: " + (why if bf16 else f"computed in float32 ({why})")
 
 
