@@ -275,6 +275,17 @@ def test_transposed_scales_pads_and_zeroes(n):
     assert torch.equal(got[..., :n], (0.75 * k).transpose(-1, -2)) and (got[..., n:] == 0).all()
 
 
+def test_transposed_is_float32_whatever_torchs_default_dtype():
+    k = torch.randn(1, 1, 40, 16, dtype=torch.float32)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        packed = numba_bf16.transposed(k, 2.0)
+    finally:
+        torch.set_default_dtype(default)
+    assert packed.dtype == np.float32 and np.array_equal(packed[0, 0, :, :40, 0], (2 * k[0, 0]).T.numpy())
+
+
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")   # torch.backends.mkldnn.flags' own
 def test_float32_routes_run_their_own_operands(monkeypatch, float32_route):
     """The brgemm route transposes k (forward), q and dO (backward) for brgemm; the BLAS route reads them as

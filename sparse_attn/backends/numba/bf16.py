@@ -82,10 +82,9 @@ def _float32_address() -> dict[str, int] | None:
 
 def float32_brgemm() -> tuple[bool, str]:
     """(whether float32 inputs run their matmuls on oneDNN's brgemm rather than the BLAS, why). By default on
-    a CPU with AVX-512 (LLVM's ``avx512f``): there oneDNN runs the kernels' 64-row products at about twice
-    the rate of MKL's sgemm, which takes its AVX2 path on AMD (docs/backend-numba.md); elsewhere the BLAS is
-    faster. ``SPARSE_ATTN_NUMBA_FLOAT32=brgemm`` or ``=blas`` picks one. Needs torch's float32 brgemm and
-    oneDNN enabled.
+    a CPU with AVX-512 (LLVM's ``avx512f``): on an AMD Zen 5 oneDNN ran the kernels' 64-row products at about
+    twice the rate of MKL's sgemm (docs/backend-numba.md); on a Zen 3 without AVX-512 it was no faster.
+    ``SPARSE_ATTN_NUMBA_FLOAT32=brgemm`` or ``=blas`` picks one. Needs torch's float32 brgemm and oneDNN enabled.
 
     >>> isinstance(float32_brgemm()[0], bool)
     True
@@ -166,7 +165,7 @@ def transposed(t: torch.Tensor, alpha: float) -> np.ndarray:
     float32, N' = N rounded up to a multiple of ``ROW_MULTIPLE``, plus ``SKEW`` (zeros after N): ``pairs_t``
     for float32, with the product's scale (brgemm has no alpha) folded in."""
     *lead, n, dim = t.shape
-    packed = torch.empty((*lead, dim, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW))                  # (..., D, N')
+    packed = torch.empty((*lead, dim, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW), dtype=torch.float32)  # (..., D, N')
     _transpose_scaled(t.reshape(-1, n, dim).numpy(), np.float32(alpha), packed.view(-1, *packed.shape[-2:]).numpy())
     return packed.unsqueeze(-1).numpy()
 
