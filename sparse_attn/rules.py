@@ -489,9 +489,17 @@ def _resolve_random(spec, ctx):
 
 @resolver("union")
 def _resolve_union(spec, ctx):
-    """Random members choose among the tiles that the other members leave untouched."""
-    rest = [resolve(p, ctx) for p in spec.patterns if p.kind != "random"]
-    excluded = UnionRule(*rest) if rest else None
+    """Random members choose among the tiles that the other members leave untouched at each tile row's first
+    position. That position may come before the first query (a decode step's row starts earlier), so for the
+    choice the other members are resolved from the first Random row's first position on: a Random nested in
+    them (``Stride(1) & Random(1)``) would otherwise hold only the rows of the queries."""
+    others = [p for p in spec.patterns if p.kind != "random"]
+    rest = [resolve(p, ctx) for p in others]
+    tiles = [min(p.block_size, ctx.n_k) for p in spec.patterns if p.kind == "random"]
+    first = min((max(ctx.shift, 0) // u * u for u in tiles), default=max(ctx.shift, 0))
+    wide = Context(ctx.n_k - first, ctx.n_k, ctx.head)
+    excluded_rules = rest if wide.n_q <= ctx.n_q else [resolve(p, wide) for p in others]
+    excluded = UnionRule(*excluded_rules) if excluded_rules else None
     randoms = [random_tiles(p.blocks, p.seed, p.block_size, ctx, excluded) for p in spec.patterns if p.kind == "random"]
     return UnionRule(*rest, *randoms)
 

@@ -172,6 +172,7 @@ length_free_leaves = st.one_of(
 @given(pattern=pattern_trees(length_free_leaves), n=st.integers(1, 90), m=st.integers(1, 90),
        block_size=st.sampled_from([4, 16]))
 @example(pattern=sa.Random(2, block_size=4) | sa.Local(1), n=40, m=20, block_size=4)
+@example(pattern=sa.Random(1, block_size=7) | (sa.Stride(1) & sa.Random(1, block_size=4)), n=9, m=9, block_size=4)
 def test_a_position_sees_the_same_keys_in_every_length(pattern, n, m, block_size):
     """Issue 23, item 6: Random drew by the length. No kind but Global(last=...) and Blocks depends on it, so the
     first m positions of a longer sequence see, among themselves, what a sequence of m tokens sees, and a decode
