@@ -498,10 +498,17 @@ def _resolve_union(spec, ctx):
     tiles = [min(p.block_size, ctx.n_k) for p in spec.patterns if p.kind == "random"]
     first = min((max(ctx.shift, 0) // u * u for u in tiles), default=max(ctx.shift, 0))
     wide = Context(ctx.n_k - first, ctx.n_k, ctx.head)
-    excluded_rules = rest if wide.n_q <= ctx.n_q else [resolve(p, wide) for p in others]
+    excluded_rules = [resolve(p, wide) if wide.n_q > ctx.n_q and _kinds(p) >= {"random"} and "blocks" not in _kinds(p)
+                      else rule for p, rule in zip(others, rest)]    # a Blocks grid's rows are the call's queries
     excluded = UnionRule(*excluded_rules) if excluded_rules else None
     randoms = [random_tiles(p.blocks, p.seed, p.block_size, ctx, excluded) for p in spec.patterns if p.kind == "random"]
     return UnionRule(*rest, *randoms)
+
+
+def _kinds(spec) -> set[str]:
+    """The kinds of a pattern tree's nodes."""
+    children = getattr(spec, "patterns", None) or ([spec.pattern] if hasattr(spec, "pattern") else [])
+    return {spec.kind}.union(*(_kinds(child) for child in children))
 
 
 @resolver("intersection")

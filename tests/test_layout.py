@@ -168,6 +168,13 @@ length_free_leaves = st.one_of(
 )
 
 
+def test_a_union_of_a_blocks_grid_and_a_random_resolves_at_the_grids_own_lengths():
+    """The union's other members are resolved from the Random rows' first position for its choice, but a Blocks grid
+    only at the call's lengths (its rows are the call's queries): one query over 2 keys resolves, as before."""
+    pattern = sa.Blocks([[0, 0]], 1) | sa.Random(1, block_size=4)
+    assert pattern.mask(1, 2, 1).tolist() == [[[False, False]]]
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=pattern_trees(length_free_leaves), n=st.integers(1, 90), m=st.integers(1, 90),
        block_size=st.sampled_from([4, 16]))
