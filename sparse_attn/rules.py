@@ -507,8 +507,7 @@ def _resolve_union(spec, ctx):
 
 def _kinds(spec) -> set[str]:
     """The kinds of a pattern tree's nodes."""
-    children = getattr(spec, "patterns", None) or ([spec.pattern] if hasattr(spec, "pattern") else [])
-    return {spec.kind}.union(*(_kinds(child) for child in children))
+    return {spec.kind}.union(*(_kinds(child) for child in spec.children))
 
 
 @resolver("intersection")

@@ -177,7 +177,7 @@ _TILE = 16  # _transpose_scaled's tiles: 16 x 16 values, moved through a fixed-s
 def _transpose_scaled(x, alpha, out):
     """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0. Any dtype: bf16 words
     (uint32, alpha 1) too. Full 16 x 16 tiles go through a fixed-size block, whose constant-bound loops LLVM
-    vectorises (AVX-512 gathers and scatters here); loops with variable bounds took about twice as long."""
+    vectorises (AVX-512 gathers and scatters here)."""
     groups, n, dim = x.shape
     tiles = n // _TILE
     for t in prange(groups * tiles):
