@@ -151,7 +151,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
             copy_into(scratch.log2_sum[off:off + n], result.log2_sum[i0:i0 + n])
             copy_into(scratch.delta[off:off + n], incoming.delta[i0:i0 + n])
             t = end
-        mask_panel(st, panel.tiles, count, block_size, columns.masks, True, r0)
+        mask_panel(st, panel.tiles, count, block_size, columns.masks, r0)
         exact_near_max_t(st, q, keys.k, panel.blocks, block_size, config.base2_scale, scratch, head, keys.start)
         _pin_maxima(st, scratch.pins, pinned, result.argmax, result.row_max, keys.start)
         _grad_scores_t(st, dpt, scratch.row_max[:width], scratch.log2_sum[:width], scratch.delta[:width],

@@ -40,24 +40,26 @@ class BlockIndex(NamedTuple):
     part_ptr: np.ndarray   # (Bl, Hl, n_blocks + 1) int32
     part_idx: np.ndarray   # (n_part,) int32, sorted within a block
     part_tile: np.ndarray  # (n_part,) int32: each partial block's tile in masks
-    masks: np.ndarray      # (n_masks, tq, tk) bool, tile[query, key]
+    masks: np.ndarray      # (n_masks, rows, columns) bool: tile[query, key]; transposed, tile[key, query]
     spans: np.ndarray      # (n_masks, 2) int64: [first, last + 1) of each tile's allowed keys (or queries)
     row_spans: np.ndarray  # (n_masks, 2) int64: the same of its allowed queries (or keys): the walking block's rows
 
 
 def block_index(full_ptr: torch.Tensor, full_idx: torch.Tensor, part_ptr: torch.Tensor, part_idx: torch.Tensor,
                 part_tile: torch.Tensor, masks: torch.Tensor, transposed: bool) -> BlockIndex:
-    """The BlockIndex of a layout's row index tensors (``transposed=False``) or transposed ones."""
+    """The BlockIndex of a layout's row index tensors (``transposed=False``) or transposed ones. Its masks
+    have the walking block's tokens as rows (a transposed copy of the layout's for the transposed index), so
+    that the kernels read a row of a tile contiguously in either direction."""
+    walking = masks.transpose(1, 2).contiguous() if transposed else masks                 # (n_masks, rows, columns)
     return BlockIndex(full_ptr.numpy(), full_idx.numpy(), part_ptr.numpy(), part_idx.numpy(), part_tile.numpy(),
-                      masks.numpy(), _tile_spans(masks, 0 if transposed else 1),
-                      _tile_spans(masks, 1 if transposed else 0))
+                      walking.numpy(), _tile_spans(walking, 1), _tile_spans(walking, 0))
 
 
 def _tile_spans(masks: torch.Tensor, axis: int) -> np.ndarray:
-    """(n_masks, 2) int64: the [first, last + 1) query rows (axis 0) or key columns (axis 1) of each
-    tile with at least one allowed pair; a block alone in its run is computed only on that span
-    (the global column's tile of a Longformer band row has 16 of 64 keys)."""
-    active = np.asarray(masks.numpy().any(axis=2 - axis))                       # (n_masks, tq or tk)
+    """(n_masks, 2) int64: the [first, last + 1) rows (axis 0) or columns (axis 1) of each tile with at
+    least one allowed pair; a block alone in its run is computed only on that span (the global column's
+    tile of a Longformer band row has 16 of 64 keys)."""
+    active = np.asarray(masks.numpy().any(axis=2 - axis))                       # (n_masks, rows or columns)
     first = np.where(active.any(1), active.argmax(1), 0)
     last = np.where(active.any(1), active.shape[1] - active[:, ::-1].argmax(1), 0)
     return np.stack([first, last], 1).astype(np.int64)

@@ -34,7 +34,7 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i, head):
     +inf, so that P = 0; for lse NaN or +inf, NaN, so that every pair of the row goes to the exact
     backward."""
     scale, query = config.scale, position(head, i)
-    keys = _allowed(i, key_blocks, masks, config.block_size, k.shape[0], False)
+    keys = _allowed(i, key_blocks, masks, config.block_size, k.shape[0])
     shift, arg, nan = -np.inf, -1, False
     for j in keys:
         s = exact_modified(head, _score(q_i, k[j], scale), query - j)
@@ -74,7 +74,7 @@ def exact_dk_dv(qkv, result, incoming, columns, config, e, g, j):
     for b in range(b0, b1):
         for h in range(g * group, (g + 1) * group):
             query_blocks = segment(columns, b, h, j // block_size)
-            for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q, True):
+            for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q):
                 p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
                 for d in range(dim):
                     acc_v[d] += p * incoming.dout[b, h, i, d]
@@ -99,7 +99,7 @@ def _exact_dq_row(row, qkv, result, incoming, index, config, dq):
     g, block_size = h // (heads // k.shape[1]), config.block_size
     key_blocks = segment(index, b, h, i // block_size)
     acc = np.zeros(dim)
-    for j in _allowed(i % block_size, key_blocks, index.masks, block_size, k.shape[2], False):
+    for j in _allowed(i % block_size, key_blocks, index.masks, block_size, k.shape[2]):
         _, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
         for d in range(dim):
             acc[d] += ds * to_float(k[kv_example(b, k.shape[0]), g, j, d])
@@ -132,10 +132,10 @@ def _pair_grads(qkv, result, incoming, config, b, h, i, j):
 
 
 @njit(cache=True, fastmath=False)
-def _allowed(pos, blocks, masks, block_size, n, transposed):
-    """The tokens (int64, ascending) that token ``pos`` of its block pairs with. Row index
-    (transposed False): pos is a query's offset in its query block and the Segment ``blocks`` holds
-    key blocks, n = Nk; transposed: pos is a key's offset in its key block, the blocks are query
+def _allowed(pos, blocks, masks, block_size, n):
+    """The tokens (int64, ascending) that token ``pos`` of its block pairs with. Row index: pos is a
+    query's offset in its query block and the Segment ``blocks`` holds key blocks, n = Nk; transposed
+    index (its masks rows first too): pos is a key's offset in its key block, the blocks are query
     blocks, n = Nq."""
     tokens = np.empty(n, np.int64)
     count, full_at, part_at = 0, 0, 0
@@ -144,8 +144,7 @@ def _allowed(pos, blocks, masks, block_size, n, transposed):
                                                   and blocks.full[full_at] < blocks.partial[part_at])
         start = (blocks.full[full_at] if full else blocks.partial[part_at]) * block_size
         for t in range(start, min(start + block_size, n)):
-            if full or (masks[blocks.tiles[part_at], t - start, pos] if transposed
-                        else masks[blocks.tiles[part_at], pos, t - start]):
+            if full or masks[blocks.tiles[part_at], pos, t - start]:
                 tokens[count] = t
                 count += 1
         if full:

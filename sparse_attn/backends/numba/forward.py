@@ -104,7 +104,7 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, hea
             scores(ops, config.base2_scale, q_r, k, j0 + lo, j0 + hi, s[:, off + lo:off + hi])
             modify(head_r, s, off + lo, off + hi, j0 + lo)
             t = end
-        mask_panel(s, panel.tiles, count, block_size, index.masks, False, r0)
+        mask_panel(s, panel.tiles, count, block_size, index.masks, r0)
         _online_softmax(s, m[r0:r1], l[r0:r1], acc[r0:r1], scratch, panel.blocks, block_size, result.argmax[r0:r1],
                         q_r, k, config, head_r)
         probabilities(ops, s)

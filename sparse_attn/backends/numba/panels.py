@@ -98,10 +98,10 @@ def panel_view(buffer, rows, width):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def mask_panel(s, tiles, count, block_size, masks, transposed, row0):
-    """-inf where a partial block's tile is False. s: (rows, W) scores of the panel's blocks
-    along columns, for the block's rows from ``row0`` on; ``transposed``: s is (keys of one key block, W)
-    with the panel's blocks being query blocks, so tile[i, row0 + j] applies to s[j, offset + i]."""
+def mask_panel(s, tiles, count, block_size, masks, row0):
+    """-inf where a partial block's tile is False. s: (rows, W) scores of the panel's blocks along columns,
+    for the walking block's rows from ``row0`` on (queries of a query block, or keys of a key block in the
+    backward); masks: the BlockIndex's, rows first, so tile[row0 + i, j] applies to s[i, offset + j]."""
     rows, width = s.shape
     for t in range(count):
         tile_id = tiles[t]
@@ -110,14 +110,10 @@ def mask_panel(s, tiles, count, block_size, masks, transposed, row0):
         tile = masks[tile_id]
         off = t * block_size
         n = min(block_size, width - off)
-        if transposed:
-            for j in range(rows):
-                for i in range(n):
-                    s[j, off + i] = s[j, off + i] if tile[i, row0 + j] else -np.inf
-        else:
-            for i in range(rows):
-                for j in range(n):
-                    s[i, off + j] = s[i, off + j] if tile[row0 + i, j] else -np.inf
+        for i in range(rows):
+            s_row, allowed = s[i, off:off + n], tile[row0 + i, :n]          # 1-D slices: the loop vectorises
+            for j in range(n):
+                s_row[j] = s_row[j] if allowed[j] else -np.inf
 
 
 
