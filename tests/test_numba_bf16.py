@@ -292,7 +292,7 @@ def test_float32_routes_run_their_own_operands(monkeypatch, float32_route):
     they are. Both within the rule (test_numba_backend runs every float32 case on both)."""
     made = []
     transposed = numba_bf16.transposed
-    monkeypatch.setattr(numba_bf16, "transposed", lambda t, alpha: made.append(tuple(t.shape)) or transposed(t, alpha))
+    monkeypatch.setattr(numba_bf16, "transposed", lambda t, alpha, buffer: made.append(tuple(t.shape)) or transposed(t, alpha, buffer))
     (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], torch.float32)
     run_case("numba", q, k, v, layout)
     assert made == ([tuple(k.shape), tuple(q.shape), tuple(q.shape)] if float32_route == "brgemm" else [])

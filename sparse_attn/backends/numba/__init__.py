@@ -62,7 +62,8 @@ Memory beyond inputs, outputs and gradients: O(N) (lse, m, log2 l and the key of
 task lists), per-worker scratch of two panels of ``min(block, n)`` x ``min(panels.PANEL_KEYS, n)`` (sized by
 what a block and a panel can hold in this sequence, however large ``block_size`` is), and
 ``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D). Gradients and dQ buffers are
-zeroed inside the kernel by the worker that owns them.
+zeroed inside the kernel by the worker that owns them. The dQ buffers and brgemm's operand copies (``bf16``)
+stay in a per-thread ``workspace`` between calls: rewritten every call, they are faulted in only once.
 
 Matmuls call BLAS ?gemm directly (MKL where torch exports it, else scipy's BLAS: ``lowlevel.matmul_blas``),
 with alpha, beta and transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm
@@ -119,6 +120,7 @@ the order above), ``panels`` (walking a Segment in panels of runs, shared by bot
 (the large-logit exact scores), ``schedule`` (task costs, heaviest-first order, the static deal),
 ``bundles`` (the namedtuples the kernels pass: the layout's index as they walk it, sizes and scales,
 results, gradients, scratch), ``bf16`` (the bf16 matmuls and operands), ``exact`` (the exact path),
-``mods`` (softcap and ALiBi on score panels and single scores) and ``lowlevel`` (BLAS ``gemm``,
+``mods`` (softcap and ALiBi on score panels and single scores), ``workspace`` (buffers reused between
+calls) and ``lowlevel`` (BLAS ``gemm``,
 ``exp2``, ``tanh``, the atomic counter, fastmath flags, BLAS threads).
 """

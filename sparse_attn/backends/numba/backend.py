@@ -20,6 +20,7 @@ import torch
 
 from ...layout import BlockLayout, KernelIndex
 from ...score_mods import NO_MODS, ScoreMods
+from . import workspace
 from .backward import backward_kernel, delta_rows, maxima_by_key_block, sum_parts
 from .bf16 import backward_operands, bits, float32_brgemm, forward_operands
 from .bf16 import native as native_bf16
@@ -140,7 +141,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
     dq, dk, dv = (t.new_empty(t.shape, dtype=dtype) for t in (q, k, v))          # contiguous, as the fake
-    dq_parts = q.new_empty((workers - 1, *q.shape), dtype=dtype)                 # (W-1, B, Hq, Nq, D)
+    dq_parts = workspace.empty("dQ parts", (workers - 1, *q.shape), dtype)        # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
     qkv = (_array(q), _array(k), _array(v))

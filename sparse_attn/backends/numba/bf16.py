@@ -36,6 +36,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from . import workspace
 from .lowlevel import FASTMATH, gemm, torch_cpu_exports
 
 # at::native::cpublas::brgemm(M, N, K, ld_a, ld_b, ld_c, add_C, const BFloat16* A, const BFloat16* B,
@@ -138,36 +139,44 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
-def pairs(t: torch.Tensor) -> np.ndarray:
+def pairs(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
     """t (..., N, D) as brgemm's B for a product over N: (..., ceil(N/2), D, 2) uint16, row 2r + i of t
-    at [..., r, :, i], a zero row after an odd N."""
+    at [..., r, :, i], a zero row after an odd N. Written into the calling thread's ``workspace`` buffer of
+    that name, or (None) a fresh array."""
     t = t.to(torch.bfloat16).view(torch.int16)
     if t.shape[-2] % 2:
         t = torch.cat([t, t.new_zeros((*t.shape[:-2], 1, t.shape[-1]))], dim=-2)
-    return t.unflatten(-2, (-1, 2)).transpose(-1, -2).contiguous().numpy().view(np.uint16)
+    paired = t.unflatten(-2, (-1, 2)).transpose(-1, -2)                                  # (..., ceil(N/2), D, 2)
+    return _empty(buffer, paired.shape, torch.int16).copy_(paired).numpy().view(np.uint16)
 
 
-def pairs_t(t: torch.Tensor) -> np.ndarray:
+def pairs_t(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
     """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N', 2) uint16, N' = N
-    rounded up to a multiple of ``ROW_MULTIPLE`` (zeros after N). N' is brgemm's ld_b, part of the key
-    of the kernels oneDNN generates and caches (per thread, never evicted): rounded, a KV cache that
-    grows by one key per decode step reuses them instead of adding kernels at every length."""
+    rounded up to a multiple of ``ROW_MULTIPLE`` (zeros after N), in ``buffer`` as ``pairs`` writes. N' is
+    brgemm's ld_b, part of the key of the kernels oneDNN generates and caches (per thread, never evicted):
+    rounded, a KV cache that grows by one key per decode step reuses them instead of adding kernels at every
+    length."""
     words = t.to(torch.bfloat16).contiguous().view(torch.int32)                                   # (..., N, D/2)
     *lead, n, half = words.shape
-    packed = words.new_empty((*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE))               # (..., D/2, N')
+    packed = _empty(buffer, (*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), torch.int32)   # (..., D/2, N')
     _transpose_scaled(words.reshape(-1, n, half).numpy().view(np.uint32), np.uint32(1),
                       packed.view(-1, *packed.shape[-2:]).numpy().view(np.uint32))
     return packed.numpy().view(np.uint16).reshape(*packed.shape, 2)
 
 
-def transposed(t: torch.Tensor, alpha: float) -> np.ndarray:
+def transposed(t: torch.Tensor, alpha: float, buffer: str | None = None) -> np.ndarray:
     """alpha t, t (..., N, D) float32 contiguous, as brgemm's B for a product over D (t.T): (..., D, N', 1)
     float32, N' = N rounded up to a multiple of ``ROW_MULTIPLE``, plus ``SKEW`` (zeros after N): ``pairs_t``
-    for float32, with the product's scale (brgemm has no alpha) folded in."""
+    for float32, with the product's scale (brgemm has no alpha) folded in; in ``buffer`` as ``pairs`` writes."""
     *lead, n, dim = t.shape
-    packed = torch.empty((*lead, dim, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW), dtype=torch.float32)  # (..., D, N')
+    packed = _empty(buffer, (*lead, dim, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW), torch.float32)  # (..., D, N')
     _transpose_scaled(t.reshape(-1, n, dim).numpy(), np.float32(alpha), packed.view(-1, *packed.shape[-2:]).numpy())
     return packed.unsqueeze(-1).numpy()
+
+
+def _empty(buffer: str | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous uninitialised tensor: the calling thread's workspace buffer ``buffer``, or a fresh one."""
+    return torch.empty(shape, dtype=dtype) if buffer is None else workspace.empty(buffer, tuple(shape), dtype)
 
 
 _TILE = 16  # _transpose_scaled's tiles: 16 x 16 values, moved through a fixed-size block
@@ -364,10 +373,11 @@ class ForwardOperands(NamedTuple):
 def forward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, workers: int, rows: int,
                      width: int, alpha: float) -> ForwardOperands:
     """The brgemm operands of a forward of contiguous q, k, v, and scratch for ``workers`` panels of rows x
-    width: bf16 ones for bf16 inputs, float32 ones for float32 (k.T scaled by the scores' alpha)."""
+    width: bf16 ones for bf16 inputs, float32 ones for float32 (k.T scaled by the scores' alpha). The copies
+    go to the thread's ``workspace`` buffers named after the product they feed, which the backward's share."""
     if q.dtype == torch.float32:
-        return ForwardOperands(q.numpy(), transposed(k, alpha), singles(v), np.empty((workers, 0), np.float32))
-    return ForwardOperands(bits(q), pairs_t(k), pairs(v), np.empty((workers, rows * even(width)), np.uint16))
+        return ForwardOperands(q.numpy(), transposed(k, alpha, "S"), singles(v), np.empty((workers, 0), np.float32))
+    return ForwardOperands(bits(q), pairs_t(k, "S"), pairs(v, "PV"), np.empty((workers, rows * even(width)), np.uint16))
 
 
 class BackwardOperands(NamedTuple):
@@ -388,12 +398,14 @@ class BackwardOperands(NamedTuple):
 def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, workers: int,
                       cols: int, width: int, alpha: float) -> BackwardOperands:
     """The brgemm operands of a backward of contiguous q, k, v and dout, and scratch for ``workers`` panels
-    of cols x width: bf16 ones for bf16 inputs, float32 ones for float32 (q.T scaled by the scores' alpha)."""
+    of cols x width: bf16 ones for bf16 inputs, float32 ones for float32 (q.T scaled by the scores' alpha); the
+    copies in ``workspace`` buffers as ``forward_operands`` puts them."""
     if q.dtype == torch.float32:
-        return BackwardOperands(k.numpy(), v.numpy(), singles(k), transposed(q, alpha), transposed(dout, 1), singles(q),
-                                singles(dout), np.empty((workers, 1, cols * width), np.float32))
+        return BackwardOperands(k.numpy(), v.numpy(), singles(k), transposed(q, alpha, "S"), transposed(dout, 1, "dP"),
+                                singles(q), singles(dout), np.empty((workers, 1, cols * width), np.float32))
     dout = dout.to(torch.bfloat16)
-    return BackwardOperands(bits(k), bits(v), pairs(k), pairs_t(q), pairs_t(dout), pairs(q), pairs(dout),
+    return BackwardOperands(bits(k), bits(v), pairs(k, "dQ"), pairs_t(q, "S"), pairs_t(dout, "dP"), pairs(q, "dK"),
+                            pairs(dout, "dV"),
                             np.empty((workers, 3, even(cols) * even(width)), np.uint16))
 
 
