@@ -15,6 +15,7 @@ import torch
 import sparse_attn as sa
 from sparse_attn.backends.numba import backend as numba_backend
 from sparse_attn.backends.numba import bf16 as numba_bf16
+from sparse_attn.backends.numba.panels import PANEL_KEYS
 
 from .helpers import NUMBA_CASES as CASES
 from .helpers import NUMBA_IDS as IDS
@@ -60,9 +61,9 @@ def test_bf16_within_tolerance_rule(case):
 
 
 @needs_native
-@pytest.mark.parametrize("n", [1, 63, 65, 1000, 1100])
+@pytest.mark.parametrize("n", [1, 63, 65, 1000, PANEL_KEYS + 76])
 def test_bf16_odd_and_ragged_lengths(n):
-    """Odd lengths pad the packed operands with a zero row; blocks of 64 and panels of 1024 keys."""
+    """Odd lengths pad the packed operands with a zero row; blocks of 64 and panels of PANEL_KEYS keys."""
     gen = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(1, 2, n, 64, generator=gen).bfloat16().requires_grad_() for _ in range(3))
     _within_rule(q, k, v, (sa.Local(300) | sa.Global(first=5)).layout(n, heads=2))

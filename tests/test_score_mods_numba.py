@@ -11,6 +11,7 @@ import sparse_attn as sa
 from sparse_attn.backends.numba import backend as numba_backend
 from sparse_attn.backends.numba import bf16 as numba_bf16
 from sparse_attn.backends.numba.mods import call_modifiers
+from sparse_attn.backends.numba.panels import PANEL_KEYS
 from sparse_attn.score_mods import ScoreMods
 from tests.cases import MODS, make, modifiers
 from tests.cases import SCORE_MOD_CASES as CASES
@@ -107,13 +108,14 @@ def test_float32_within_the_tolerance_rule(case, softcap, slopes, sinks, float32
 
 
 def test_panels_and_a_global_row_over_many_blocks():
-    """1100 tokens in blocks of 16, Local(5) | Global(first=1): the global row's keys span two panels (1024
-    keys each), the band rows meet the global column's partial block; softcap and ALiBi, float64 and float32."""
+    """PANEL_KEYS + 76 tokens in blocks of 16, Local(5) | Global(first=1): the global row's keys span two panels
+    (PANEL_KEYS keys each), the band rows meet the global column's partial block; softcap and ALiBi, float64 and float32."""
     pattern = sa.Local(5) | sa.Global(first=1)
-    inputs = [make((1, 2, 1100, 16), seed) for seed in range(3)]
+    n = PANEL_KEYS + 76
+    inputs = [make((1, 2, n, 16), seed) for seed in range(3)]
     mods = {"softcap": 4.0, "alibi_slopes": torch.tensor([0.25, 0.003], dtype=torch.float64)}
-    layout = pattern.layout(1100, heads=2, block_size=BLOCK)
-    want = outputs(with_oracle(pattern.mask(1100)), *inputs, mods)
+    layout = pattern.layout(n, heads=2, block_size=BLOCK)
+    want = outputs(with_oracle(pattern.mask(n)), *inputs, mods)
     got = outputs(through("numba", layout), *inputs, mods)
     for name, x, y in zip(NAMES, got, want):
         torch.testing.assert_close(x, y, atol=1e-10, rtol=1e-9, msg=name)

@@ -6,7 +6,7 @@ in it, one matmul. Also the workers' shared scratch pieces and a finiteness chec
 
 >>> from sparse_attn.backends.numba.panels import panel_capacity
 >>> panel_capacity(64, 5000), panel_capacity(64, 100)
-(1024, 100)
+(2048, 100)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from numba import njit
 from .bundles import ForwardResult, Panel, Segment
 from .lowlevel import FASTMATH
 
-PANEL_KEYS = 1024  # keys (or queries, in the backward) per score panel
+PANEL_KEYS = 2048  # keys (or queries, in the backward) per score panel: a causal window of 1024 keys in one panel
 
 
 def panel_capacity(block_size: int, n: int) -> int:
