@@ -159,8 +159,8 @@ def test_pairs_layouts():
     rows = numba_bf16.pairs(t)                                                  # (2, 4, 2)
     as_float = np.vectorize(lambda b: numba_bf16.to_float(np.uint16(b)))
     assert as_float(rows[0]).T.tolist() == t[:2].float().tolist() and as_float(rows[1, :, 1]).tolist() == [0] * 4
-    cols = numba_bf16.pairs_t(t)                                                # (D/2=2, N'=256, 2)
-    assert cols.shape == (2, numba_bf16.ROW_MULTIPLE, 2) and not cols[:, 3:].any()
+    cols = numba_bf16.pairs_t(t)                                                # (D/2=2, N'=256 + 16, 2)
+    assert cols.shape == (2, numba_bf16.ROW_MULTIPLE + numba_bf16.SKEW, 2) and not cols[:, 3:].any()
     assert as_float(cols[:, :3]).transpose(1, 0, 2).reshape(3, 4).tolist() == t.float().tolist()
 
 
@@ -211,7 +211,8 @@ def release():
 def product():
     a, b = torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
     c = torch.empty(64, 64)
-    numba_bf16.brgemm(numba_bf16.bits(a), numba_bf16.pairs_t(b).reshape(-1), numba_bf16.ROW_MULTIPLE, c.numpy(), False)
+    packed = numba_bf16.pairs_t(b)
+    numba_bf16.brgemm(numba_bf16.bits(a), packed.reshape(-1), packed.shape[1], c.numpy(), False)
     release()
     torch.testing.assert_close(c, a.float() @ b.float().T, rtol=1e-5, atol=1e-4)
 

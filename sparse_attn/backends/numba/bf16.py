@@ -51,8 +51,8 @@ _BRGEMM_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 # The same for float32 A, B and C (is_vnni must be false): oneDNN's AVX-512 kernels where the CPU has them
 _BRGEMM_F32 = "_ZN2at6native7cpublas6brgemmEllllllbPKfS3_Pfb"
 ROW_MULTIPLE = 256  # pairs_t's and transposed's rows are padded to a multiple of this
-SKEW = 16           # and transposed's by this many more: a power-of-two leading dimension maps B's rows onto
-                    # the same cache sets (S = Q K^T at 576 keys: 188 GFLOP/s at ld 4096, 205 at 4112)
+SKEW = 16           # and by this many more: a power-of-two leading dimension maps B's rows onto the same cache
+                    # sets (float32 S = Q K^T at 576 keys: 188 GFLOP/s at ld 4096, 205 at 4112)
 FLOAT32_VARIABLE = "SPARSE_ATTN_NUMBA_FLOAT32"  # "brgemm" or "blas": which float32 matmuls; unset: by the CPU
 
 
@@ -152,13 +152,14 @@ def pairs(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
 
 def pairs_t(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
     """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N', 2) uint16, N' = N
-    rounded up to a multiple of ``ROW_MULTIPLE`` (zeros after N), in ``buffer`` as ``pairs`` writes. N' is
+    rounded up to a multiple of ``ROW_MULTIPLE``, plus ``SKEW`` (zeros after N), in ``buffer`` as ``pairs``
+    writes. N' is
     brgemm's ld_b, part of the key of the kernels oneDNN generates and caches (per thread, never evicted):
     rounded, a KV cache that grows by one key per decode step reuses them instead of adding kernels at every
     length."""
     words = t.to(torch.bfloat16).contiguous().view(torch.int32)                                   # (..., N, D/2)
     *lead, n, half = words.shape
-    packed = _empty(buffer, (*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), torch.int32)   # (..., D/2, N')
+    packed = _empty(buffer, (*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW), torch.int32)  # (..., D/2, N')
     _transpose_scaled(words.reshape(-1, n, half).numpy().view(np.uint32), np.uint32(1),
                       packed.view(-1, *packed.shape[-2:]).numpy().view(np.uint32))
     return packed.numpy().view(np.uint16).reshape(*packed.shape, 2)
