@@ -153,10 +153,9 @@ def pairs(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
 def pairs_t(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
     """t (..., N, D), D even, as brgemm's B for a product over D (t.T): (..., D/2, N', 2) uint16, N' = N
     rounded up to a multiple of ``ROW_MULTIPLE``, plus ``SKEW`` (zeros after N), in ``buffer`` as ``pairs``
-    writes. N' is
-    brgemm's ld_b, part of the key of the kernels oneDNN generates and caches (per thread, never evicted):
-    rounded, a KV cache that grows by one key per decode step reuses them instead of adding kernels at every
-    length."""
+    writes. N' is brgemm's ld_b, part of the key of the kernels oneDNN generates and caches (per thread, never
+    evicted): rounded, a KV cache that grows by one key per decode step reuses them instead of adding kernels
+    at every length."""
     words = t.to(torch.bfloat16).contiguous().view(torch.int32)                                   # (..., N, D/2)
     *lead, n, half = words.shape
     packed = _empty(buffer, (*lead, half, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE + SKEW), torch.int32)  # (..., D/2, N')

@@ -2,7 +2,7 @@
 
 >>> import torch
 >>> from sparse_attn.backends.numba import workspace
->>> workspace.release()                                       # (none held by this thread before)
+>>> workspace.release()                                       # start with nothing held
 >>> a = workspace.empty("S", (4, 8), torch.float32)
 >>> b = workspace.empty("S", (2, 8), torch.float32)          # smaller: the same memory
 >>> a.data_ptr() == b.data_ptr(), b.shape
@@ -14,9 +14,9 @@
 0
 
 Why: every call rewrites copies of its operands as large as K (brgemm's transposed K, bf16 pairs, the
-backward's per-worker dQ sums). Taken fresh, each is a new mapping from the system at these sizes, and every
-call pays its page faults again: a 33 MB K.T (N = 16K, 8 heads, D = 64) costs more to fault in than to
-write. Kept, a buffer is faulted in once. A call uses a buffer only while it runs, and a thread runs one
+backward's per-worker dQ sums; 33 MB each at N = 16K, 8 heads, D = 64 in float32). Taken fresh, each is a new
+mapping from the system at these sizes, and every call pays its page faults again; kept, a buffer is faulted
+in once (benchmarks/results/numba_ab/ has the A/B). A call uses a buffer only while it runs, and a thread runs one
 call at a time, so buffers are per thread (a thread that ends frees its own). The kernels name a buffer
 after the product it feeds ("S" holds K.T in the forward, Q.T in the backward), so a forward and a backward
 share what they can. What stays held is, per name, the largest call's copy (``held_bytes``): in float32
