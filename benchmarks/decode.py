@@ -414,7 +414,8 @@ def markdown(record: dict) -> str:
     lines = [
         "# Decoding in bounded memory", "",
         f"`{record['command']}`", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, numba {m['numba']}"
+        f"Machine: {m['cpu']}" + (f" ({m['cpu_kind']})" if m.get("cpu_kind") else "")
+        + f", {m['cores']} cores, torch {m['torch']}, numba {m['numba']}"
         + (f" (float32 matmuls on {m['numba_blas']})" if "numba_blas" in m else "") + ", transformers "
         f"{m['transformers']}; load average {m['loadavg_before']} before, {m['loadavg_after']} after (the machine "
         f"is shared: compare within this run). Wall time {record['wall_s']:.0f} s.", "",
