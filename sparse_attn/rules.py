@@ -498,8 +498,12 @@ def _resolve_union(spec, ctx):
     tiles = [min(p.block_size, ctx.n_k) for p in spec.patterns if p.kind == "random"]
     first = min((max(ctx.shift, 0) // u * u for u in tiles), default=max(ctx.shift, 0))
     wide = Context(ctx.n_k - first, ctx.n_k, ctx.head)
-    excluded_rules = [resolve(p, wide) if wide.n_q > ctx.n_q and _kinds(p) >= {"random"} and "blocks" not in _kinds(p)
-                      else rule for p, rule in zip(others, rest)]    # a Blocks grid's rows are the call's queries
+
+    def for_the_choice(p, rule):                          # a Blocks grid's rows are the call's queries: kept as is
+        kinds = _kinds(p)
+        return resolve(p, wide) if wide.n_q > ctx.n_q and "random" in kinds and "blocks" not in kinds else rule
+
+    excluded_rules = [for_the_choice(p, rule) for p, rule in zip(others, rest)]
     excluded = UnionRule(*excluded_rules) if excluded_rules else None
     randoms = [random_tiles(p.blocks, p.seed, p.block_size, ctx, excluded) for p in spec.patterns if p.kind == "random"]
     return UnionRule(*rest, *randoms)
