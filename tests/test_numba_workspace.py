@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 
 import numba
+import pytest
 import torch
 
 import sparse_attn as sa
@@ -47,9 +48,12 @@ def _address(name: str) -> int:
     return workspace.empty(name, (1,), torch.uint8).data_ptr()
 
 
-def test_each_thread_has_its_own_buffers():
+def test_each_thread_has_its_own_buffers(float32_route):
     """A call from another thread fills that thread's buffers, not the caller's (two threads may run calls at
-    once; each call's copies must stay its own until it returns)."""
+    once; each call's copies must stay its own until it returns). Its call is shorter, so its buffers are
+    smaller: one set shared by the threads would have changed the caller's."""
+    if float32_route == "blas" and numba.get_num_threads() == 1:
+        pytest.skip("one thread on the BLAS route: no buffer is held")
     workspace.release()
     _forward_backward(200)
     mine = workspace.held_bytes()
@@ -63,5 +67,5 @@ def test_each_thread_has_its_own_buffers():
     thread = threading.Thread(target=call)
     thread.start()
     thread.join()
-    assert workspace.held_bytes() == mine and len(theirs) == 1
+    assert 0 < theirs[0] < mine == workspace.held_bytes()
     workspace.release()
