@@ -20,7 +20,7 @@ import torch
 
 from ...layout import BlockLayout, KernelIndex
 from ...score_mods import NO_MODS, ScoreMods
-from . import huge_pages, workspace
+from . import workspace
 from .backward import backward_kernel, delta_rows, maxima_by_key_block, sum_parts
 from .bf16 import backward_operands, bits, float32_brgemm, forward_operands
 from .bf16 import native as native_bf16
@@ -96,7 +96,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     score maximum and log2 of its sum, and the key holding the maximum."""
     dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = huge_pages.empty(q.shape, dtype)                                       # (B, Hq, Nq, D)
+    out = q.new_empty(q.shape, dtype=dtype)                                      # (B, Hq, Nq, D)
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
     argmax = torch.empty(q.shape[:3], dtype=torch.int64)                         # (B, Hq, Nq)
@@ -140,7 +140,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     schedule = static_schedule(heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
-    dq, dk, dv = (huge_pages.empty(t.shape, dtype) for t in (q, k, v))            # contiguous, as the fake
+    dq, dk, dv = (t.new_empty(t.shape, dtype=dtype) for t in (q, k, v))          # contiguous, as the fake
     dq_parts = workspace.empty("dQ parts", (workers - 1, *q.shape), dtype)        # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
