@@ -176,6 +176,17 @@ def test_pairs_t_moves_every_bit_through_the_tiles(n, dim):
     assert torch.equal(got[..., :n], words) and not got[..., n:].any()
 
 
+@pytest.mark.parametrize("n, dim", [(1, 64), (37, 24), (300, 2), (1000, 64)])
+def test_pairs_moves_every_bit_into_its_pair(n, dim):
+    """Rows 2r and 2r + 1 of t, NaN and inf bits too, land in pair r bit for bit; after an odd N the last pair's
+    second row is zero."""
+    t = torch.randn(2, 3, n, dim, generator=torch.Generator().manual_seed(n)).bfloat16() * 1000
+    t[0, 0, 0, 0], t[1, 2, -1, -1] = float("nan"), float("-inf")
+    packed = torch.from_numpy(numba_bf16.pairs(t).view(np.int16))                 # (2, 3, ceil(N/2), D, 2)
+    rows = packed.transpose(-1, -2).reshape(2, 3, -1, dim)                      # (2, 3, 2 ceil(N/2), D)
+    assert torch.equal(rows[..., :n, :], t.view(torch.int16)) and not rows[..., n:, :].any()
+
+
 @needs_native
 @pytest.mark.parametrize("m, n, k, first", [(64, 64, 64, 0), (7, 50, 34, 3), (1, 1, 2, 0), (64, 1024, 64, 10)])
 def test_brgemm_matches_float32_products(m, n, k, first):

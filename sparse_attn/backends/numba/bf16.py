@@ -143,11 +143,29 @@ def pairs(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
     """t (..., N, D) as brgemm's B for a product over N: (..., ceil(N/2), D, 2) uint16, row 2r + i of t
     at [..., r, :, i], a zero row after an odd N. Written into the calling thread's ``workspace`` buffer of
     that name, or (None) a fresh array."""
-    t = t.to(torch.bfloat16).view(torch.int16)
-    if t.shape[-2] % 2:
-        t = torch.cat([t, t.new_zeros((*t.shape[:-2], 1, t.shape[-1]))], dim=-2)
-    paired = t.unflatten(-2, (-1, 2)).transpose(-1, -2)                                  # (..., ceil(N/2), D, 2)
-    return _empty(buffer, paired.shape, torch.int16).copy_(paired).numpy().view(np.uint16)
+    rows = t.to(torch.bfloat16).contiguous().view(torch.int16)                                    # (..., N, D)
+    *lead, n, dim = rows.shape
+    words = _empty(buffer, (*lead, -(-n // 2), dim), torch.int32)                          # (..., ceil(N/2), D)
+    _pair_rows(rows.reshape(-1, n, dim).numpy().view(np.uint16),
+               words.view(-1, *words.shape[-2:]).numpy().view(np.uint32))
+    return words.numpy().view(np.uint16).reshape(*words.shape, 2)
+
+
+@njit(cache=True, parallel=True)
+def _pair_rows(x, out):
+    """out (G, ceil(N/2), D) uint32 words, each of rows 2r and 2r + 1 of x (G, N, D) uint16 at [g, r, d]: the
+    first in the low half (the first in memory, little-endian as x86 and Arm run), 0 in the high half of the
+    last word after an odd N."""
+    groups, n, dim = x.shape
+    full = n // 2
+    for t in prange(groups * full):
+        g, r = t // full, t % full
+        for d in range(dim):
+            out[g, r, d] = np.uint32(x[g, 2 * r, d]) | np.uint32(x[g, 2 * r + 1, d]) << np.uint32(16)
+    if n % 2:
+        for g in range(groups):
+            for d in range(dim):
+                out[g, full, d] = np.uint32(x[g, n - 1, d])
 
 
 def pairs_t(t: torch.Tensor, buffer: str | None = None) -> np.ndarray:
