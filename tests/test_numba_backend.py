@@ -625,6 +625,27 @@ def test_float32_tanh_within_3e7_of_float64_and_nan_stays_nan():
 
 
 @numba.njit(fastmath=lowlevel.FASTMATH)
+def _exp2_of_each(x, out):
+    for i in range(x.size):
+        out[i] = lowlevel.exp2(x[i])
+
+
+def test_float32_exp2_within_1e7_of_float64_zero_below_minus_126_and_nan_stays_nan():
+    """lowlevel.exp2 in float32 over what the kernels pass (a score minus a maximum, x <= 0): 1e-7 relative where
+    2 ** x is a normal float32, exactly 0 below -126 and for -inf (a masked score), never a subnormal, NaN for
+    NaN; up to 127 too."""
+    x = np.concatenate([np.linspace(-130, 0, 400_001), np.linspace(0, 127, 1001)]).astype(np.float32)
+    got = np.empty_like(x)
+    _exp2_of_each(x, got)
+    exact = np.exp2(x.astype(np.float64))
+    normal = x >= -126
+    assert (np.abs(got[normal] - exact[normal]) <= 1e-7 * exact[normal]).all() and (got[~normal] == 0).all()
+    special = np.array([np.nan, -np.inf, 0], np.float32)
+    _exp2_of_each(special, special)
+    assert np.isnan(special[0]) and special[1] == 0 and special[2] == 1
+
+
+@numba.njit(fastmath=lowlevel.FASTMATH)
 def _softcap_panel(config, s, c0, c1):
     mods.modify(mods.head_modifiers(config, 0, 0, 0), s, c0, c1, 0)
 

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import functools
 import glob
-import math
 import os
 import threading
 from typing import NamedTuple, cast
@@ -194,8 +193,9 @@ def gemm(alpha, a, trans_a, b, trans_b, beta, c):
 # Scalars: exp2, tanh, dtype conversion
 # ------------------------------------------------------------------------------------------------
 def exp2(x):
-    """2 ** x; vectorisable in float32 (no libm call): exactly 0 below 2 ** -126, inf above
-    2 ** 127, NaN for NaN (as libm's, which float64 uses)."""
+    """2 ** x for x <= 127 or NaN (the kernels pass a score minus a maximum: x <= 0); vectorisable in
+    float32 (no libm call): exactly 0 below -126 (-inf too), NaN for NaN; libm's in float64. Above 127 the
+    float32 form is undefined: no clamp there keeps the loop two selects shorter."""
 
 
 @intrinsic
@@ -205,24 +205,26 @@ def _int_bits_as_float32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-_LN2 = math.log(2.0)
-_EXP2_COEFFS = tuple(np.float32(_LN2 ** i / math.factorial(i)) for i in range(8))  # degree 7: ~1e-7 relative
-_C0, _C1, _C2, _C3, _C4, _C5, _C6, _C7 = _EXP2_COEFFS
-_F32_MIN_EXP, _F32_MAX_EXP = np.float32(-126.0), np.float32(127.0)
-_HALF_F32, _ZERO_F32, _INF_F32 = np.float32(0.5), np.float32(0.0), np.float32(np.inf)
+# 2 ** f on |f| <= 1/2 by a degree-6 polynomial: a least-squares fit of the relative error against float64 on
+# Chebyshev nodes, reweighted towards minimax (1.9e-9 in float64, 9.6e-8 evaluated in float32)
+_EXP2_COEFFS = tuple(np.float32(c) for c in (1.0000000005545249, 0.6931472057360487, 0.2402264688797573,
+                                             0.055503287789285795, 0.009618489244923131, 0.0013399930588659688,
+                                             0.00015345734571100417))
+_C0, _C1, _C2, _C3, _C4, _C5, _C6 = _EXP2_COEFFS
+_F32_MIN_EXP, _F32_ZERO_EXP = np.float32(-126.0), np.float32(-127.0)     # 2 ** -127 as bits: 0
+_HALF_F32 = np.float32(0.5)
 
 
 @overload(exp2, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
 def _exp2_impl(x):
     if x == types.float32:
         def exp2_f32(x):
-            normal = (x >= _F32_MIN_EXP) & (x <= _F32_MAX_EXP)                  # False for NaN
-            xc = x if normal else _ZERO_F32              # finite, so the int conversion is defined
+            xc = x if x >= _F32_MIN_EXP else _F32_ZERO_EXP  # finite (NaN too), so the int conversion is defined
             n = np.floor(xc + _HALF_F32)                 # x = n + f, |f| <= 1/2
             f = xc - n
-            p = _C0 + f * (_C1 + f * (_C2 + f * (_C3 + f * (_C4 + f * (_C5 + f * (_C6 + f * _C7))))))
-            scale = _int_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # 2 ** n
-            return p * scale if normal else (_ZERO_F32 if x < _F32_MIN_EXP else x * _INF_F32)  # NaN * inf = NaN
+            p = _C0 + f * (_C1 + f * (_C2 + f * (_C3 + f * (_C4 + f * (_C5 + f * _C6)))))
+            scale = _int_bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # 2 ** n; 0 for n = -127
+            return p * scale if x == x else x
         return exp2_f32
     if x == types.float64:
         return lambda x: np.exp2(x)
