@@ -204,8 +204,7 @@ _TILE = 16  # _transpose_scaled's tiles: 16 keys
 def _transpose_scaled(x, alpha, out):
     """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0. Any dtype: bf16 words
     (uint32, alpha 1) too. A task is a tile of 16 keys: each of out's rows gets 16 values in a row, read down
-    a column of x (16 rows of x, in cache after the first column), one gather in AVX-512. (A 16 x 16 block
-    moved through a fixed-size array, this function's earlier form, took 2x as long on AVX-512.)"""
+    a column of x (16 rows of x, in cache after the first column), one gather in AVX-512."""
     groups, n, dim = x.shape
     tiles = n // _TILE
     for t in prange(groups * tiles):
