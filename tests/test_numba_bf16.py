@@ -249,7 +249,7 @@ def test_opcheck_bf16():
     args = (list(layout.index), layout.block_size, 0.25)
     torch.library.opcheck(numba_backend.numba_attention, (q, k, v, *args))
     out, lse, stats, argmax = (t.detach() for t in numba_backend.numba_attention(q, k, v, *args))
-    assert out.dtype == torch.float32
+    assert out.dtype == torch.bfloat16 and lse.dtype == stats.dtype == torch.float32
     torch.library.opcheck(numba_backend.numba_attention_backward,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, stats, argmax,
                            torch.randn_like(lse), *args))

@@ -89,21 +89,22 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
                     alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                        torch.Tensor]:
     """Forward kernel on float32/float64 CPU tensors, or bf16 ones where ``bf16_matmuls``: (out, lse,
-    stats, argmax), float32 for bf16. index: the layout's ``KernelIndex`` as a list (``list(layout.index)``);
-    softcap (0: none) and alibi_slopes ((B or 1, Hq), or None) as in ``score_mods.ScoreMods``.
+    stats, argmax), out in q's dtype and the others float32 for bf16. index: the layout's ``KernelIndex`` as a
+    list (``list(layout.index)``); softcap (0: none) and alibi_slopes ((B or 1, Hq), or None) as in
+    ``score_mods.ScoreMods``.
 
     ``stats`` (2, B, Hq, Nq) and ``argmax`` (B, Hq, Nq) int64 are for the backward: each row's base-2
     score maximum and log2 of its sum, and the key holding the maximum."""
     dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = q.new_empty(q.shape, dtype=dtype)                                      # (B, Hq, Nq, D)
+    out = torch.empty_like(q)                                                    # (B, Hq, Nq, D), q's dtype
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
     argmax = torch.empty(q.shape[:3], dtype=torch.int64)                         # (B, Hq, Nq)
     idx = KernelIndex(*index)
     order = heaviest_first(task_costs(idx.full_ptr, idx.part_ptr, q.shape[0], q.shape[1]))
     rows = _row_index(idx)
-    result = ForwardResult(out.numpy(), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
+    result = ForwardResult(_array(out), lse.numpy(), stats[0].numpy(), stats[1].numpy(), argmax.numpy())
     with KERNELS.running():                             # the float32 operands' transposition is a parallel kernel
         ops = forward_operands(q, k, v, numba.get_num_threads(), min(block_size, q.shape[2]),
                                panel_capacity(block_size, k.shape[2]), scale * _LOG2E) if _brgemm_operands(q) else None
@@ -117,7 +118,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
 def _(q, k, v, index, block_size, scale, softcap=0.0, alibi_slopes=None):
     """Contiguous outputs whatever q's strides, as the kernel writes them (Inductor checks the strides)."""
     rows, dtype = q.shape[:3], _computed_in(q)
-    return (q.new_empty(q.shape, dtype=dtype), q.new_empty(rows, dtype=dtype), q.new_empty((2, *rows), dtype=dtype),
+    return (q.new_empty(q.shape), q.new_empty(rows, dtype=dtype), q.new_empty((2, *rows), dtype=dtype),
             q.new_empty(rows, dtype=torch.int64))
 
 
@@ -129,10 +130,11 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
     """Backward kernel: (dq, dk, dv) in q's dtype from dout and dlse, the gradients of out and lse;
-    lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls); index, softcap and
-    alibi_slopes the forward's (the slopes get no gradient)."""
+    out (q's dtype), lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls);
+    index, softcap and alibi_slopes the forward's (the slopes get no gradient)."""
     dtype = _computed_in(q)
     idx = KernelIndex(*index)
+    out, dout = out.to(dtype), dout.to(dtype)                     # bf16: the rows' delta in float32, as computed
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()

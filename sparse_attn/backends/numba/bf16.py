@@ -329,6 +329,18 @@ def to_float(x):
     return _as_float(x)
 
 
+def stored_as(array, x):
+    """The float x as an element of ``array``: the bits of the nearest bf16 for bf16 bits (uint16), x itself
+    (converted on assignment) for float32 and float64 arrays."""
+
+
+@overload(stored_as)
+def _stored_as_impl(array, x):
+    if array.dtype == types.uint16:
+        return lambda array, x: round_bf16(np.float32(x))
+    return lambda array, x: x
+
+
 @njit(cache=True, fastmath=FASTMATH)
 def round_bf16(x):
     """float32 -> the bits of the nearest bfloat16 (ties to even; NaN stays NaN)."""

@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores
+from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores, stored_as
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
 from .lowlevel import FASTMATH, LANES, exp2, fetch_add, lane_maxima, set_blas_threads_local
@@ -58,7 +58,8 @@ def _forward_worker(counter, w, qkv, ops, index, config, order, result):
     n_qb = index.full_ptr.shape[2] - 1
     block_size = config.block_size
     blas_threads = set_blas_threads_local(np.int32(1))      # BLAS on this thread only: see KernelSection
-    scratch = _forward_scratch(result.out, min(block_size, n_q), min(config.panel_blocks * block_size, n_k), config)
+    scratch = _forward_scratch(result.lse, q.shape[3], min(block_size, n_q), min(config.panel_blocks * block_size, n_k),
+                               config)
     while True:
         t = fetch_add(counter)
         if t >= order.size:
@@ -121,7 +122,8 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, hea
 @njit(cache=True, fastmath=FASTMATH)
 def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
     """Step 3: out = acc / l and the row statistics, from a block's running m, l, acc (rows, ...);
-    a row with no allowed key gets 0, -inf; a row whose result is not finite goes to the exact path."""
+    a row with no allowed key gets 0, -inf; a row whose result is not finite goes to the exact path.
+    out is stored in its own dtype (bf16 bits for bf16 inputs: rounded once, from the computed dtype)."""
     rows, dim = acc.shape
     out = result.out
     for i in range(rows):
@@ -129,8 +131,9 @@ def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
         if finite:                                       # (a comparison false for NaN and inf: no
             inv = 1 / l[i]                               # fastmath flag assumes them away)
             for d in range(dim):
-                out[i, d] = acc[i, d] * inv
-                finite &= abs(out[i, d]) < np.inf
+                value = acc[i, d] * inv
+                out[i, d] = stored_as(out, value)
+                finite &= abs(value) < np.inf
         if finite:
             log2_l = np.log2(l[i])
             result.lse[i] = (np.float64(m[i]) + np.float64(log2_l)) * _LN2       # rounded once
@@ -141,7 +144,9 @@ def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = -np.inf, np.inf, 0, -1
         else:                  # NaN or inf met, an overflow, or every score underflowed to -inf
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = exact_row(
-                i, q[i], k, v, key_blocks, masks, config, out[i], head)
+                i, q[i], k, v, key_blocks, masks, config, acc[i], head)            # into acc's row, then out's
+            for d in range(dim):
+                out[i, d] = stored_as(out, acc[i, d])
 
 
 
@@ -236,10 +241,10 @@ def _row_has_key(i, key_blocks, masks):
 
 
 @njit(cache=True)
-def _forward_scratch(out, rows, width, config):
-    """A forward worker's ForwardScratch for blocks of up to ``rows`` queries and panels of up to
-    ``width`` keys, in the dtype of ``out`` (the dtype computed in)."""
-    dim, dtype = out.shape[-1], out.dtype
+def _forward_scratch(lse, dim, rows, width, config):
+    """A forward worker's ForwardScratch for blocks of up to ``rows`` queries of head dim ``dim`` and panels of
+    up to ``width`` keys, in the dtype of ``lse`` (the dtype computed in)."""
+    dtype = lse.dtype
     return ForwardScratch(np.empty(rows * width, dtype), np.empty((rows, dim), dtype), np.empty(rows, dtype),
                           np.empty(rows, dtype), np.empty(LANES, dtype), np.empty(width, np.int64),
                           panel_scratch(config))
