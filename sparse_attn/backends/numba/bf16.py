@@ -203,8 +203,8 @@ _TILE = 16  # _transpose_scaled's tiles: 16 keys
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _transpose_scaled(x, alpha, out):
     """out (G, D, N') = alpha x.T for x (G, N, D), N <= N', columns N.. of out 0. Any dtype: bf16 words
-    (uint32, alpha 1) too. A task is a tile of 16 keys: each of out's rows gets 16 values in a row, read down
-    a column of x (16 rows of x, in cache after the first column), one gather in AVX-512."""
+    (uint32, alpha 1) too. A task is a tile of 16 keys: each of out's rows gets 16 values in a row (one cache
+    line of float32), read down a column of x (16 rows of x, in cache after the first column)."""
     groups, n, dim = x.shape
     tiles = n // _TILE
     for t in prange(groups * tiles):
