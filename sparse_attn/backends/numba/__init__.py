@@ -63,7 +63,9 @@ task lists), per-worker scratch of two panels of ``min(block, n)`` x ``min(panel
 what a block and a panel can hold in this sequence, however large ``block_size`` is), and
 ``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D). Gradients and dQ buffers are
 zeroed inside the kernel by the worker that owns them. The dQ buffers and brgemm's operand copies (``bf16``)
-stay in a per-thread ``workspace`` between calls: rewritten every call, they are faulted in only once.
+stay in a per-thread ``workspace`` between calls: rewritten every call, they are faulted in only once. The
+results (out; dq, dk, dv) come from the workspace's spare result buffers, memory of results nothing refers to
+any more, when one of their size is there.
 
 Matmuls call BLAS ?gemm directly (MKL where torch exports it, else scipy's BLAS: ``lowlevel.matmul_blas``),
 with alpha, beta and transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm
@@ -71,7 +73,7 @@ through torch (``bf16``: the kernels call its functions, which are these gemm ca
 their first argument, the bf16 operands, is None).
 
 Precision: float32 and float64 are computed in their own dtype (float32 with a vectorisable
-degree-7 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML). bfloat16
+degree-6 ``exp2``, relative error ~1e-7, since Numba has no vector exp without SVML). bfloat16
 inputs, where ``backend.bf16_matmuls`` (a CPU with native bf16 dot products, even head dim and block
 size), run every matmul above on bf16 operands with float32 accumulation: q, k, v and dO as given,
 P and scale * dS rounded to bf16 just before their matmuls (as torch's bf16 attention rounds them);

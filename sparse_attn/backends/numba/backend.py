@@ -97,7 +97,7 @@ def numba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: li
     score maximum and log2 of its sum, and the key holding the maximum."""
     dtype = _computed_in(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)                                                    # (B, Hq, Nq, D), q's dtype
+    out = workspace.result(q.shape, q.dtype)                                    # (B, Hq, Nq, D), q's dtype
     lse = q.new_empty(q.shape[:3], dtype=dtype)                                  # (B, Hq, Nq)
     stats = q.new_empty((2, *q.shape[:3]), dtype=dtype)                          # (2, B, Hq, Nq)
     argmax = torch.empty(q.shape[:3], dtype=torch.int64)                         # (B, Hq, Nq)
@@ -142,7 +142,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     schedule = static_schedule(heaviest_first(costs), costs, workers)
     # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
-    dq, dk, dv = (t.new_empty(t.shape, dtype=dtype) for t in (q, k, v))          # contiguous, as the fake
+    dq, dk, dv = (workspace.result(t.shape, dtype) for t in (q, k, v))           # contiguous, as the fake
     dq_parts = workspace.empty("dQ parts", (workers - 1, *q.shape), dtype)        # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
@@ -164,7 +164,7 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy(), not_finite)
         if not_finite.any():
             exact_dq_rows(np.flatnonzero(not_finite), qkv, result, incoming, _row_index(idx), config, dq.numpy())
-    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    return _returned(dq, q.dtype), _returned(dk, q.dtype), _returned(dv, q.dtype)
 
 
 @numba_attention_backward.register_fake
@@ -191,6 +191,11 @@ def _autograd_backward(ctx, dout, dlse, _dstats, _dargmax):
 
 
 numba_attention.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _returned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A gradient computed in t's dtype as the op returns it, in ``dtype`` (a result from the workspace for bf16)."""
+    return t if t.dtype == dtype else workspace.result(t.shape, dtype).copy_(t)
 
 
 def _computed_in(q: torch.Tensor) -> torch.dtype:
