@@ -17,7 +17,7 @@ import sparse_attn as sa
 from sparse_attn.api import sparse_attention
 from sparse_attn.backends import numba as numba_package
 from sparse_attn.backends.numba import backend as numba_backend
-from sparse_attn.backends.numba import backward, bundles, forward, lowlevel, mods, near_max, panels, schedule
+from sparse_attn.backends.numba import backward, bundles, forward, lowlevel, mods, near_max, panels, schedule, workspace
 
 from .helpers import NUMBA_CASES as CASES
 from .helpers import NUMBA_IDS as IDS
@@ -483,7 +483,7 @@ def test_lane_maxima_keeps_each_lanes_maximum_and_skips_nan(dtype):
 
 
 @pytest.mark.parametrize("module", [numba_package, numba_backend, forward, backward, panels, near_max, schedule, bundles,
-                                    mods, lowlevel], ids=lambda m: m.__name__)
+                                    mods, lowlevel, workspace], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
