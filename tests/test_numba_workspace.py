@@ -15,6 +15,12 @@ from sparse_attn.backends.numba import workspace
 PATTERN = sa.Local(40) | sa.Global(first=3)
 
 
+@pytest.fixture(autouse=True)
+def small_spares(monkeypatch):
+    """Results of any size from the spares, so that this file's small shapes run through them."""
+    monkeypatch.setattr(workspace, "SMALLEST_SPARE", 0)
+
+
 def _forward_backward(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """out and the gradients of q, k, v of one numba call over n tokens (B=2, H=2, D=32, float32)."""
     torch.manual_seed(seed)
@@ -126,4 +132,17 @@ def test_a_spare_serves_results_of_half_to_all_its_size_only():
     half.fill_(1.5)
     assert half.float().sum().item() == 1.5 * 1024
     del half
+    workspace.release()
+
+
+def test_results_under_the_smallest_spare_are_fresh(monkeypatch):
+    """Under SMALLEST_SPARE bytes a result is a plain tensor: dropped, it leaves nothing held."""
+    monkeypatch.setattr(workspace, "SMALLEST_SPARE", 4096)
+    workspace.release()
+    small = workspace.result((1023,), torch.float32)
+    assert small.is_contiguous() and small.untyped_storage().nbytes() == 4092
+    del small
+    assert workspace.held_bytes() == 0
+    workspace.result((1024,), torch.float32)                 # 4 KiB, dropped at once: a spare
+    assert workspace.held_bytes() == 4096
     workspace.release()

@@ -26,15 +26,16 @@ with brgemm two copies the size of q plus the backward's ``threads - 1`` dQ sums
 Results (``result``) are returned to the caller, so their memory is reused only once every tensor that
 shows it is gone: a result is a view of a pooled buffer, and when its last view dies the buffer becomes a
 *spare* that a later result of about its size (1 to 2 times) takes. At most ``SPARE_RESULTS`` spares are
-kept (process-wide: a result may die on any thread), the oldest dropped first; ``release`` frees them too:
+kept (process-wide: a result may die on any thread), the oldest dropped first; ``release`` frees them too.
+Results under ``SMALLEST_SPARE`` bytes are fresh tensors.
 
->>> out = result((1024, 64), torch.float32)
+>>> out = result((4096, 64), torch.float32)                  # 1 MiB
 >>> address = out.data_ptr()
 >>> del out                                                   # its last view: the buffer is a spare
->>> result((1024, 64), torch.float32).data_ptr() == address   # (and back again: nothing holds it)
+>>> result((4096, 64), torch.float32).data_ptr() == address   # (and back again: nothing holds it)
 True
->>> kept = result((1024, 64), torch.float32)
->>> result((1024, 64), torch.float32).data_ptr() != kept.data_ptr()   # a held result is never reused
+>>> kept = result((4096, 64), torch.float32)
+>>> result((4096, 64), torch.float32).data_ptr() != kept.data_ptr()   # a held result is never reused
 True
 >>> release(); held_bytes()
 0
@@ -52,6 +53,8 @@ import torch
 
 SPARE_RESULTS = 4  # result buffers kept for reuse once nothing refers to them (a forward's out and a backward's
                    # dq, dk, dv: a training step of one layer)
+SMALLEST_SPARE = 1 << 20  # bytes: smaller results are plain torch.empty (a few page faults cost less than the
+                          # pool's bookkeeping, about 5 us a result)
 
 _THREAD = threading.local()
 _SPARES: list[torch.Tensor] = []  # result buffers (uint8) no result uses, oldest first
@@ -73,8 +76,10 @@ def empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 def result(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous tensor of ``shape`` and ``dtype`` for a call to return: in a spare buffer
     of 1 to 2 times its size if there is one, else in a new one, which becomes a spare once the tensor and
-    every view of it are gone."""
+    every view of it are gone. Under ``SMALLEST_SPARE`` bytes, a fresh tensor."""
     size = math.prod(shape) * dtype.itemsize
+    if size < SMALLEST_SPARE:
+        return torch.empty(shape, dtype=dtype)
     buffer = _take_spare(size)
     if buffer is None:
         buffer = torch.empty(size, dtype=torch.uint8)
