@@ -130,11 +130,11 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
     """Backward kernel: (dq, dk, dv) in q's dtype from dout and dlse, the gradients of out and lse;
-    out (q's dtype), lse, stats and argmax are the forward's (float32 with bf16 q, k, v: bf16 matmuls);
-    index, softcap and alibi_slopes the forward's (the slopes get no gradient)."""
+    out (q's dtype; bf16 read as float32), lse, stats and argmax are the forward's (float32 with bf16 q, k, v:
+    bf16 matmuls); index, softcap and alibi_slopes the forward's (the slopes get no gradient)."""
     dtype = _computed_in(q)
     idx = KernelIndex(*index)
-    out, dout = out.to(dtype), dout.to(dtype)                     # bf16: the rows' delta in float32, as computed
+    dout = dout.to(q.dtype)                                       # out and dout as q: bf16 ones read as float32
     dout, q, k, v, out, lse, dlse = (t.contiguous() for t in (dout, q, k, v, out, lse, dlse))
     batch, heads, n_q, dim = q.shape
     workers = numba.get_num_threads()
@@ -148,15 +148,15 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
     qkv = (_array(q), _array(k), _array(v))
     row_max, row_sum = stats.contiguous().numpy()
-    result = ForwardResult(out.numpy(), lse.numpy(), row_max, row_sum, argmax.contiguous().numpy())
-    incoming = Incoming(dout.numpy(), dlse.numpy(), delta.numpy())
+    result = ForwardResult(_array(out), lse.numpy(), row_max, row_sum, argmax.contiguous().numpy())
+    incoming = Incoming(_array(dout), dlse.numpy(), delta.numpy())
     columns = block_index(idx.full_t_ptr, idx.full_t_idx, idx.part_t_ptr, idx.part_t_idx, idx.part_t_mask,
                           idx.masks, transposed=True)
     config = _config(dtype, block_size, scale, softcap, alibi_slopes, n_q, k.shape[2])
     with KERNELS.running():
         ops = backward_operands(q, k, v, dout, workers, min(block_size, k.shape[2]),
                                 panel_capacity(block_size, n_q), scale * _LOG2E) if _brgemm_operands(q) else None
-        delta_rows(out.view(rows, dim).numpy(), dout.view(rows, dim).numpy(), lse.view(rows).numpy(),
+        delta_rows(result.out.reshape(rows, dim), incoming.dout.reshape(rows, dim), lse.view(rows).numpy(),
                    dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
         maxima = maxima_by_key_block(result.argmax, block_size, idx.full_t_ptr.shape[2] - 1)
         backward_kernel(qkv, ops, result, incoming, maxima, columns, config, schedule,

@@ -39,7 +39,7 @@ from .panels import (
 def delta_rows(out, dout, lse, dlse, zero, delta):
     """Per query row: delta = rowsum(dout * out) - dlse, and 0 for rows with no allowed key
     (lse = -inf: their P is 0 and dlse does not reach the scores, as in the reference).
-    out, dout (R, D); lse, dlse, delta (R,); zero: 0 in the dtype."""
+    out, dout (R, D), bf16 bits read as float32; lse, dlse, delta (R,); zero: 0 in the dtype computed in."""
     rows, dim = out.shape
     for i in prange(rows):
         if lse[i] == -np.inf:
@@ -47,7 +47,7 @@ def delta_rows(out, dout, lse, dlse, zero, delta):
             continue
         total = zero
         for d in range(dim):
-            total += dout[i, d] * out[i, d]
+            total += to_float(dout[i, d]) * to_float(out[i, d])
         delta[i] = total - dlse[i]
 
 
@@ -248,7 +248,7 @@ def _max_pair_grads(st, dpt, pins, count, result, incoming, key_block):
         jj = result.argmax[i] - key_block.start
         total = incoming.dlse[i]
         for d in range(dout.shape[1]):
-            total += dout[i, d] * (to_float(v[jj, d]) - out[i, d])
+            total += to_float(dout[i, d]) * (to_float(v[jj, d]) - to_float(out[i, d]))
         st[jj, c] = dpt[jj, c] * total
 
 

@@ -113,7 +113,7 @@ class ForwardResult(NamedTuple):
     """What the forward writes per query row, and the backward reads: (B, Hq, Nq, ...) arrays, or
     the rows of one query block (the leading dimensions indexed away)."""
 
-    out: np.ndarray        # (..., Nq, D)
+    out: np.ndarray        # (..., Nq, D) in q's dtype (bf16: its bits, uint16)
     lse: np.ndarray        # (..., Nq) natural-log log-sum-exp; -inf for a row with no key
     row_max: np.ndarray    # (..., Nq) base-2 score maximum m; +inf for a row with no key
     log2_sum: np.ndarray   # (..., Nq) log2 of the row's sum of exp2(S - m)
@@ -123,7 +123,7 @@ class ForwardResult(NamedTuple):
 class Incoming(NamedTuple):
     """The gradient arriving at the forward's outputs: (B, Hq, Nq, ...) arrays, or one head's."""
 
-    dout: np.ndarray       # (..., Nq, D)
+    dout: np.ndarray       # (..., Nq, D) in q's dtype (bf16: its bits, uint16)
     dlse: np.ndarray       # (..., Nq)
     delta: np.ndarray      # (..., Nq) rowsum(dout * out) - dlse; 0 for a row with no key
 

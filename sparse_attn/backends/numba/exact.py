@@ -77,7 +77,7 @@ def exact_dk_dv(qkv, result, incoming, columns, config, e, g, j):
             for i in _allowed(j % block_size, query_blocks, columns.masks, block_size, n_q):
                 p, ds = _pair_grads(qkv, result, incoming, config, b, h, i, j)
                 for d in range(dim):
-                    acc_v[d] += p * incoming.dout[b, h, i, d]
+                    acc_v[d] += p * to_float(incoming.dout[b, h, i, d])
                     acc_k[d] += ds * to_float(q[b, h, i, d])
     return config.scale * acc_k, acc_v
 
@@ -127,7 +127,7 @@ def _pair_grads(qkv, result, incoming, config, b, h, i, j):
         p = np.exp2((0.0 if x > 0 else x) - result.log2_sum[b, h, i])
     dp = 0.0
     for d in range(do_i.size):
-        dp += np.float64(do_i[d]) * np.float64(to_float(v_j[d]))
+        dp += np.float64(to_float(do_i[d])) * np.float64(to_float(v_j[d]))
     return p, p * (dp - incoming.delta[b, h, i]) * exact_softcap_grad(head, raw)
 
 
