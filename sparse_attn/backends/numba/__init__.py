@@ -61,11 +61,12 @@ Scheduling and determinism:
 Memory beyond inputs, outputs and gradients: O(N) (lse, m, log2 l and the key of m per row, delta,
 task lists), per-worker scratch of two panels of ``min(block, n)`` x ``min(panels.PANEL_KEYS, n)`` (sized by
 what a block and a panel can hold in this sequence, however large ``block_size`` is), and
-``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D). Gradients and dQ buffers are
-zeroed inside the kernel by the worker that owns them. The dQ buffers and brgemm's operand copies (``bf16``)
-stay in a per-thread ``workspace`` between calls: rewritten every call, they are faulted in only once. The
-results (out; dq, dk, dv) come from the workspace's spare result buffers, memory of results nothing refers to
-any more, when one of their size is there.
+``threads - 1`` dQ-sized buffers in the backward: O(threads x N x D). dq and the dQ buffers are
+zeroed inside the kernel by the worker that owns them; a key block's dk and dv are summed in the worker's
+(block, D) sums and stored once (rounded once for bf16), so bf16's dk, dv are never made in float32. The dQ
+buffers and brgemm's operand copies (``bf16``) stay in a per-thread ``workspace`` between calls: rewritten every
+call, they are faulted in only once. The results (out; dq, dk, dv) come from the workspace's spare result
+buffers, memory of results nothing refers to any more, when one of their size is there.
 
 Matmuls call BLAS ?gemm directly (MKL where torch exports it, else scipy's BLAS: ``lowlevel.matmul_blas``),
 with alpha, beta and transposes, so there are no temporary products or extra additions; for bf16 inputs, oneDNN's brgemm

@@ -140,9 +140,10 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     workers = numba.get_num_threads()
     costs = task_costs(idx.full_t_ptr, idx.part_t_ptr, batch, heads, (k.shape[0], k.shape[1]))
     schedule = static_schedule(heaviest_first(costs), costs, workers)
-    # Written (and zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
+    # Written (dq zeroed, worker by worker) inside the kernels: no serial memset of fresh pages.
     delta = torch.empty_like(lse)                                                # (B, Hq, Nq)
-    dq, dk, dv = (workspace.result(t.shape, dtype) for t in (q, k, v))           # contiguous, as the fake
+    dq = workspace.result(q.shape, dtype)                                        # contiguous, as the fake
+    dk, dv = workspace.result(k.shape, q.dtype), workspace.result(v.shape, q.dtype)  # stored by the kernel
     dq_parts = workspace.empty("dQ parts", (workers - 1, *q.shape), dtype)        # (W-1, B, Hq, Nq, D)
     rows = batch * heads * n_q
     not_finite = np.empty(rows, np.bool_)                                        # dq rows to recompute exactly
@@ -160,11 +161,11 @@ def numba_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                    dlse.view(rows).numpy(), _as(dtype, 0), delta.view(rows).numpy())
         maxima = maxima_by_key_block(result.argmax, block_size, idx.full_t_ptr.shape[2] - 1)
         backward_kernel(qkv, ops, result, incoming, maxima, columns, config, schedule,
-                        Gradients(dq.numpy(), dq_parts.numpy(), dk.numpy(), dv.numpy()))
+                        Gradients(dq.numpy(), dq_parts.numpy(), _array(dk), _array(dv)))
         sum_parts(dq.view(rows, dim).numpy(), dq_parts.view(workers - 1, rows, dim).numpy(), not_finite)
         if not_finite.any():
             exact_dq_rows(np.flatnonzero(not_finite), qkv, result, incoming, _row_index(idx), config, dq.numpy())
-    return _returned(dq, q.dtype), _returned(dk, q.dtype), _returned(dv, q.dtype)
+    return _returned(dq, q.dtype), dk, dv
 
 
 @numba_attention_backward.register_fake
@@ -194,7 +195,7 @@ numba_attention.register_autograd(_autograd_backward, setup_context=_setup_conte
 
 
 def _returned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A gradient computed in t's dtype as the op returns it, in ``dtype`` (a result from the workspace for bf16)."""
+    """dq computed in t's dtype as the op returns it, in ``dtype`` (a result from the workspace for bf16)."""
     return t if t.dtype == dtype else workspace.result(t.shape, dtype).copy_(t)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .bf16 import add_grads, grad_operands, head_backward, release_tiles, row_window, scores_t, to_float
+from .bf16 import add_grads, grad_operands, head_backward, release_tiles, row_window, scores_t, store, to_float
 from .bundles import BackwardScratch, Incoming, KeyBlock, query_examples, segment
 from .exact import exact_dk_dv
 from .lowlevel import FASTMATH, copy_into, exp2, set_blas_threads_local
@@ -69,10 +69,11 @@ def backward_kernel(qkv, ops, result, incoming, maxima, columns, config, schedul
 @njit(cache=True, fastmath=FASTMATH)
 def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, config, grads):
     """Worker w's tasks, in order. It zeroes its dQ buffer dq (B, Hq, Nq, D) and adds its dQ terms
-    there; each task (example e of k, v, kv head g, key block c) zeroes and then accumulates its own
-    rows of grads.dk and grads.dv, over every query example that reads them (all B where k, v have
-    batch 1), and recomputes by the exact path the keys whose result is not finite. BLAS runs on one
-    thread; then the worker hands back the AMX tiles it may hold and restores the thread's BLAS setting."""
+    there; each task (example e of k, v, kv head g, key block c) sums its keys' dk and dv in the worker's
+    (block, D) sums, over every query example that reads them (all B where k, v have batch 1), recomputes by
+    the exact path the keys whose result is not finite, and stores the sums in its rows of grads.dk and
+    grads.dv (rounded once, for bf16). BLAS runs on one thread; then the worker hands back the AMX tiles it
+    may hold and restores the thread's BLAS setting."""
     q, k, v = qkv
     batch, heads, n_q = q.shape[0], q.shape[1], q.shape[2]
     kv_batch, kv_heads, n_k = k.shape[0], k.shape[1], k.shape[2]
@@ -82,12 +83,15 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
     maxima_ptr, maxima_queries = maxima
     blas_threads = set_blas_threads_local(np.int32(1))      # BLAS on this thread only: see KernelSection
     scratch = _backward_scratch(grads.dq, min(block_size, n_k), min(config.panel_blocks * block_size, n_q), config)
+    dk_sum = np.empty((min(block_size, n_k), q.shape[3]), grads.dq.dtype)        # a key block's dk, dv, summed
+    dv_sum = np.empty_like(dk_sum)                                              # in the dtype computed in
     dq.reshape(-1)[:] = 0
     for task in tasks:
         e, g, c = task // (kv_heads * n_kb), task // n_kb % kv_heads, task % n_kb
         j0 = c * block_size
         keys = slice(j0, min(j0 + block_size, n_k))
-        key_block = KeyBlock(j0, k[e, g, keys], v[e, g, keys], grads.dk[e, g, keys], grads.dv[e, g, keys])
+        cols = keys.stop - j0
+        key_block = KeyBlock(j0, k[e, g, keys], v[e, g, keys], dk_sum[:cols], dv_sum[:cols])
         key_block.dk[:] = 0
         key_block.dv[:] = 0
         b0, b1 = query_examples(e, batch, kv_batch)
@@ -98,13 +102,14 @@ def _backward_worker(tasks, w, dq, qkv, ops, result, incoming, maxima, columns, 
                                maxima_queries[b, h, maxima_ptr[b, h, c]:maxima_ptr[b, h, c + 1]],
                                segment(columns, b, h, c), columns, config, scratch, dq[b, h],
                                head_backward(ops, w, b, e, h, g, keys), head_modifiers(config, b, h, 0))
-        if all_finite(key_block.dk) and all_finite(key_block.dv):
-            continue
-        for j in range(j0, j0 + key_block.k.shape[0]):
-            if not (all_finite(grads.dk[e, g, j:j + 1]) and all_finite(grads.dv[e, g, j:j + 1])):
-                dk_j, dv_j = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j)
-                copy_into(grads.dk[e, g, j], dk_j)
-                copy_into(grads.dv[e, g, j], dv_j)
+        if not (all_finite(key_block.dk) and all_finite(key_block.dv)):
+            for j in range(cols):
+                if not (all_finite(key_block.dk[j:j + 1]) and all_finite(key_block.dv[j:j + 1])):
+                    dk_j, dv_j = exact_dk_dv(qkv, result, incoming, columns, config, e, g, j0 + j)
+                    copy_into(key_block.dk[j], dk_j)
+                    copy_into(key_block.dv[j], dv_j)
+        store(grads.dk[e, g, keys], key_block.dk)
+        store(grads.dv[e, g, keys], key_block.dv)
     release_tiles(ops)
     set_blas_threads_local(blas_threads)
 

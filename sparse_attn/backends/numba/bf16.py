@@ -342,6 +342,14 @@ def _stored_as_impl(array, x):
 
 
 @njit(cache=True, fastmath=FASTMATH)
+def store(dst, src):
+    """dst (R, C) = src (R, C) of floats, each value ``stored_as`` dst's dtype (bf16 bits: rounded once)."""
+    for i in range(src.shape[0]):
+        for j in range(src.shape[1]):
+            dst[i, j] = stored_as(dst, src[i, j])
+
+
+@njit(cache=True, fastmath=FASTMATH)
 def round_bf16(x):
     """float32 -> the bits of the nearest bfloat16 (ties to even; NaN stays NaN)."""
     u = _float32_bits(x)

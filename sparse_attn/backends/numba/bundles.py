@@ -133,17 +133,17 @@ class Gradients(NamedTuple):
 
     dq: np.ndarray         # (B, Hq, Nq, D)
     dq_parts: np.ndarray   # (workers - 1, B, Hq, Nq, D)
-    dk: np.ndarray         # (Bkv, Hkv, Nk, D), Bkv = B or 1
-    dv: np.ndarray         # (Bkv, Hkv, Nk, D)
+    dk: np.ndarray         # (Bkv, Hkv, Nk, D), Bkv = B or 1, in q's dtype (bf16: its bits, uint16)
+    dv: np.ndarray         # (Bkv, Hkv, Nk, D), as dk
 
 
 class KeyBlock(NamedTuple):
-    """One key block of a kv head in the backward: its keys and values and the rows of dk, dv it owns."""
+    """One key block of a kv head in the backward: its keys and values and the sums of its dk, dv."""
 
     start: int             # its first key
     k: np.ndarray          # (cols, D)
     v: np.ndarray          # (cols, D)
-    dk: np.ndarray         # (cols, D)
+    dk: np.ndarray         # (cols, D) in the dtype computed in
     dv: np.ndarray         # (cols, D)
 
 
