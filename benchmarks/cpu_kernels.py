@@ -7,7 +7,9 @@ B=1, H=8, D=64, pattern ``Local(256) | Global(first=16)`` (``--pattern``: any pa
 ``bigbird-itc`` or ``"Local(1023, 0) & Causal()"``), float32, and bfloat16 for the names ending
 in ``-bf16`` (``numba-bf16``: bf16 matmuls where the CPU has native bf16, see docs/backend-numba.md).
 For every N it times, in one process and interleaved (repeat r runs every implementation once
-before repeat r+1), the forward and the forward+backward (``peers.passes``) of these peers of
+before repeat r+1, after the two torch.mm calls that measure the matmul rates, starting with the r-th
+implementation, so that the one run right after the matmuls, whose 4096^3 operands evict the caches, is
+each in turn), the forward and the forward+backward (``peers.passes``) of these peers of
 ``sparse_attn.bench.peers``, the ones ``sparse-attn bench`` runs:
 
 - ``numba``: ``sparse_attention(..., backend="numba")`` with a prebuilt block-64 ``BlockLayout``;
@@ -137,10 +139,13 @@ def run_sizes(lengths, impls, repeats, pattern: sa.Pattern):
         times = {name: ([], []) for name in runners}
         matmul, matmul_bf16 = _matmul(torch.float32, sizes["float32"]), _matmul(torch.bfloat16, sizes["bfloat16"])
         matmul(), matmul_bf16()
+        names = list(runners)
         for r in range(repeats):
             mm_times.append(_timed(matmul))
             mm_bf16_times.append(_timed(matmul_bf16))
-            for name, (forward, forward_backward, _, _) in runners.items():
+            first = r % max(len(names), 1)                                   # each in turn first after the matmuls
+            for name in names[first:] + names[:first]:
+                forward, forward_backward, _, _ = runners[name]
                 slow = times[name][0] and times[name][0][-1] > 5                # one sample is enough
                 if r == 0 or not slow:
                     times[name][0].append(_timed(forward))
