@@ -154,6 +154,23 @@ def test_round_bf16_matches_torch():
     assert [numba_bf16.to_float(np.uint16(bits)) for bits in want[:3]] == [1.0, 1.0, 1 + 2 ** -6]
 
 
+def test_store_rounds_into_bf16_once_and_copies_into_floats():
+    """store (the kernels' last write of out, dk, dv): into bf16 bits, torch's rounding of each float32 value
+    (ties to even, NaN kept); into float32 and float64, the values themselves."""
+    src = (torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 1e3)
+    src[0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("inf"), float("nan")])
+    values = src.numpy()
+    bits = np.zeros(values.shape, np.uint16)
+    numba_bf16.store(bits, values)
+    want = src.bfloat16().view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(values)
+    assert np.array_equal(bits[~nan], want[~nan]) and (bits[nan] == 0x7FC0).all()
+    for dtype in (np.float32, np.float64):
+        copied = np.zeros(values.shape, dtype)
+        numba_bf16.store(copied, values)
+        assert np.array_equal(copied, values.astype(dtype), equal_nan=True)
+
+
 def test_pairs_layouts():
     t = torch.arange(3 * 4, dtype=torch.float32).reshape(3, 4).bfloat16()      # (N=3, D=4)
     rows = numba_bf16.pairs(t)                                                  # (2, 4, 2)

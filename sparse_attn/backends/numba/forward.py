@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores, stored_as
+from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores, store, stored_as
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
 from .lowlevel import FASTMATH, LANES, exp2, fetch_add, lane_maxima, set_blas_threads_local
@@ -145,8 +145,7 @@ def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
         else:                  # NaN or inf met, an overflow, or every score underflowed to -inf
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = exact_row(
                 i, q[i], k, v, key_blocks, masks, config, acc[i], head)            # into acc's row, then out's
-            for d in range(dim):
-                out[i, d] = stored_as(out, acc[i, d])
+            store(out[i:i + 1], acc[i:i + 1])
 
 
 

@@ -53,8 +53,9 @@ import torch
 
 SPARE_RESULTS = 4  # result buffers kept for reuse once nothing refers to them (a forward's out and a backward's
                    # dq, dk, dv: a training step of one layer)
-SMALLEST_SPARE = 1 << 20  # bytes: smaller results are plain torch.empty (their few page faults cost less than
-                          # the pool's bookkeeping: a lock, a finalizer, a numpy view)
+SMALLEST_SPARE = 1 << 20  # bytes: smaller results are plain torch.empty, kept off the pool's bookkeeping (a lock,
+                          # a finalizer, a numpy view per result): the pool is for results whose fresh memory is a
+                          # new mapping (glibc maps every allocation of 32 MiB and more)
 
 _THREAD = threading.local()
 _SPARES: list[torch.Tensor] = []  # result buffers (uint8) no result uses, oldest first
