@@ -59,10 +59,10 @@ from .rules import (
     Rule,
     StrideRule,
     TilesRule,
-    UnionRule,
     WindowRule,
     random_tiles,
     resolve,
+    union_exclusion,
 )
 
 FEW_TOKENS = 8  # Global/Sink token lists up to this long are compared as constants, longer ones looked up
@@ -213,11 +213,11 @@ def _documents(ids: np.ndarray, env: _Env) -> _Documents:
 # ------------------------------------------------------------------------------------------------
 # Node builders, by the spec's kind
 # ------------------------------------------------------------------------------------------------
-BUILDERS: dict[str, Callable] = {}  # a spec's ``kind`` -> fn(spec, env, heads, siblings) -> Predicate
+BUILDERS: dict[str, Callable] = {}  # a spec's ``kind`` -> fn(spec, env, heads, union) -> Predicate
 
 
 def builder(*kinds: str):
-    """Register the decorated ``fn(spec, env, heads, siblings) -> Predicate`` for specs of ``kinds``."""
+    """Register the decorated ``fn(spec, env, heads, union) -> Predicate`` for specs of ``kinds``."""
     def register(fn):
         for kind in kinds:
             BUILDERS[kind] = fn
@@ -225,18 +225,18 @@ def builder(*kinds: str):
     return register
 
 
-def build(spec, env: _Env, heads: tuple[int, ...], siblings: tuple = ()) -> Predicate:
-    """The predicate of ``spec`` for the heads ``heads`` (the only ones whose results are used); ``siblings``:
-    the other members of the union a ``Random`` belongs to (it draws among the tiles they leave free)."""
+def build(spec, env: _Env, heads: tuple[int, ...], union=None) -> Predicate:
+    """The predicate of ``spec`` for the heads ``heads`` (the only ones whose results are used); ``union``: the
+    union a ``Random`` belongs to, or None (it draws among the tiles the union's other members leave free)."""
     kind = getattr(spec, "kind", None)
     if kind not in BUILDERS:
         raise TypeError(f"no mask_mod for {type(spec).__name__} (kind {kind!r}): a pattern kind needs a builder in "
                         f"sparse_attn.flex, registered with @builder(kind); known kinds are {sorted(BUILDERS)}")
-    return BUILDERS[kind](spec, env, heads, siblings)
+    return BUILDERS[kind](spec, env, heads, union)
 
 
 @builder("local", "stride", "dilated", "causal", "dense")
-def _arithmetic(spec, env, heads, siblings) -> Predicate:
+def _arithmetic(spec, env, heads, union) -> Predicate:
     """Leaves of pure arithmetic, from their rule (clamped to the sequence: a document is never longer)."""
     return _rule_predicate(resolve(spec, Context(env.n_q, env.n_k, 0)))
 
@@ -268,24 +268,23 @@ def _combine(op, predicates: list[Predicate]) -> Predicate:
 
 
 @builder("union")
-def _union(spec, env, heads, siblings) -> Predicate:
-    rest = tuple(p for p in spec.patterns if p.kind != "random")
-    return _combine(operator.or_, [build(p, env, heads, rest if p.kind == "random" else ()) for p in spec.patterns])
+def _union(spec, env, heads, union) -> Predicate:
+    return _combine(operator.or_, [build(p, env, heads, spec if p.kind == "random" else None) for p in spec.patterns])
 
 
 @builder("intersection")
-def _intersection(spec, env, heads, siblings) -> Predicate:
+def _intersection(spec, env, heads, union) -> Predicate:
     return _combine(operator.and_, [build(p, env, heads) for p in spec.patterns])
 
 
 @builder("complement")
-def _complement(spec, env, heads, siblings) -> Predicate:
+def _complement(spec, env, heads, union) -> Predicate:
     inner = build(spec.pattern, env, heads)
     return lambda x: ~inner(x)
 
 
 @builder("per_head")
-def _per_head(spec, env, heads, siblings) -> Predicate:
+def _per_head(spec, env, heads, union) -> Predicate:
     """One branch per distinct member, selected by a (heads,) lookup of the member each head uses."""
     distinct = list(dict.fromkeys(spec.patterns[h] for h in heads))
     predicates = [build(p, env, tuple(h for h in heads if spec.patterns[h] == p)) for p in distinct]
@@ -304,7 +303,7 @@ def _per_head(spec, env, heads, siblings) -> Predicate:
 
 
 @builder("global")
-def _global(spec, env, heads, siblings) -> Predicate:
+def _global(spec, env, heads, union) -> Predicate:
     rows = _token_test(env, True, spec.tokens, spec.first, spec.last)
     cols = _token_test(env, False, spec.tokens, spec.first, spec.last)
     if rows is None or cols is None:     # both or neither: the same tokens, first and last
@@ -313,7 +312,7 @@ def _global(spec, env, heads, siblings) -> Predicate:
 
 
 @builder("sink")
-def _sink(spec, env, heads, siblings) -> Predicate:
+def _sink(spec, env, heads, union) -> Predicate:
     cols = _token_test(env, False, spec.tokens, spec.first, 0)
     period, width, n = spec.period, spec.width, env.n_k
     tests = [] if cols is None else [cols]
@@ -356,7 +355,7 @@ def _token_test(env: _Env, rows: bool, tokens, first: int, last: int) -> Predica
 
 
 @builder("blocks")
-def _blocks(spec, env, heads, siblings) -> Predicate:
+def _blocks(spec, env, heads, union) -> Predicate:
     """The grid, looked up by block: rows are query rows (``q_idx``), or document positions."""
     docs = env.documents
     if docs is None:
@@ -378,13 +377,13 @@ def _blocks(spec, env, heads, siblings) -> Predicate:
 
 
 @builder("random")
-def _random(spec, env, heads, siblings) -> Predicate:
+def _random(spec, env, heads, union) -> Predicate:
     """A bool table of the tiles drawn for each head (and document length), by ``sparse_attn.rules.random_tiles``
-    with the union siblings the layout excludes: n_q / u x n_k / u entries per head, where u is the tile."""
+    around what the layout excludes in its union: n_q / u x n_k / u entries per head, where u is the tile."""
     docs = env.documents
     rows, slot = env.head_slots(heads)
     if docs is None:
-        rules = [_drawn(spec, Context(env.n_q, env.n_k, h), siblings) for h in heads]
+        rules = [_drawn(spec, Context(env.n_q, env.n_k, h), union) for h in heads]
         u, n_kt = rules[0].unit, rules[0].n_kt
         first = max(env.n_k - env.n_q, 0) // u                        # tile row of the first query position
         tiles = np.zeros((rows, n_kt - first, n_kt), dtype=bool)                   # (heads used, tile rows, n_kt)
@@ -406,7 +405,7 @@ def _random(spec, env, heads, siblings) -> Predicate:
     tiles = np.zeros((rows, max(int(base[-1]), 1)), dtype=bool)         # (heads used, tiles of every length)
     for g, length in enumerate(lengths.tolist()):
         for row, h in enumerate(heads):
-            tiles[row, base[g] + _drawn(spec, Context(length, length, h), siblings).chosen] = True
+            tiles[row, base[g] + _drawn(spec, Context(length, length, h), union).chosen] = True
     table = env.tensor(tiles)
     tile_base = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), base[grid_of]))  # (B, n)
     tile_width = env.tensor(per_token(spans, np.zeros(docs.ids.shape, dtype=np.int64), width[grid_of]))  # (B, n)
@@ -420,8 +419,7 @@ def _random(spec, env, heads, siblings) -> Predicate:
     return random_in_documents
 
 
-def _drawn(spec, ctx: Context, siblings: tuple) -> TilesRule:
-    """The tiles the layout draws for ``spec`` in ``ctx``: as ``sparse_attn.rules`` resolves a union, among the
-    tiles its other members leave untouched."""
-    excluded = UnionRule(*(resolve(p, ctx) for p in siblings)) if siblings else None
+def _drawn(spec, ctx: Context, union) -> TilesRule:
+    """The tiles the layout draws for ``spec`` in ``ctx``: around ``union_exclusion`` of its union (None: none)."""
+    excluded = union_exclusion(union, ctx) if union is not None else None
     return random_tiles(spec.blocks, spec.seed, spec.block_size, ctx, excluded)

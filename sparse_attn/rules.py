@@ -489,12 +489,24 @@ def _resolve_random(spec, ctx):
 
 @resolver("union")
 def _resolve_union(spec, ctx):
-    """Random members choose among the tiles that the other members leave untouched at each tile row's first
-    position. That position may come before the first query (a decode step's row starts earlier), so for the
-    choice the other members are resolved from the first Random row's first position on: a Random nested in
-    them (``Stride(1) & Random(1)``) would otherwise hold only the rows of the queries."""
+    """Random members choose among the tiles that the other members leave untouched (``union_exclusion``)."""
+    rest = [resolve(p, ctx) for p in spec.patterns if p.kind != "random"]
+    excluded = union_exclusion(spec, ctx, rest)
+    randoms = [random_tiles(p.blocks, p.seed, p.block_size, ctx, excluded) for p in spec.patterns if p.kind == "random"]
+    return UnionRule(*rest, *randoms)
+
+
+def union_exclusion(spec, ctx: Context, resolved: list[Rule] | None = None) -> Rule | None:
+    """What the Random members of the union ``spec`` draw around in ``ctx``: its other members (None: there are
+    none), ``resolved`` in ctx if given. A Random draws at each tile row's first position, which may come before
+    the first query (a decode step's row starts earlier), so for the choice the other members are resolved from
+    the first Random row's first position on: a Random nested in them (``Stride(1) & Random(1)``) would otherwise
+    hold only the rows of the queries. The layout (``resolve``) and the FlexAttention predicate
+    (``sparse_attn.flex``) both draw around this rule, so they choose the same tiles."""
     others = [p for p in spec.patterns if p.kind != "random"]
-    rest = [resolve(p, ctx) for p in others]
+    if not others:
+        return None
+    rest = resolved if resolved is not None else [resolve(p, ctx) for p in others]
     tiles = [min(p.block_size, ctx.n_k) for p in spec.patterns if p.kind == "random"]
     first = min((max(ctx.shift, 0) // u * u for u in tiles), default=max(ctx.shift, 0))
     wide = Context(ctx.n_k - first, ctx.n_k, ctx.head)
@@ -503,10 +515,7 @@ def _resolve_union(spec, ctx):
         kinds = _kinds(p)
         return resolve(p, wide) if wide.n_q > ctx.n_q and "random" in kinds and "blocks" not in kinds else rule
 
-    excluded_rules = [for_the_choice(p, rule) for p, rule in zip(others, rest)]
-    excluded = UnionRule(*excluded_rules) if excluded_rules else None
-    randoms = [random_tiles(p.blocks, p.seed, p.block_size, ctx, excluded) for p in spec.patterns if p.kind == "random"]
-    return UnionRule(*rest, *randoms)
+    return UnionRule(*(for_the_choice(p, rule) for p, rule in zip(others, rest)))
 
 
 def _kinds(spec) -> set[str]:

@@ -90,6 +90,10 @@ def test_create_mask_with_documents_padding_and_globals_is_the_layout(data, leng
      | sa.Sink(first=1), 40, 40, 3),
     (sa.Blocks(np.random.default_rng(0).random((2, 5, 3)) < 0.5, 8), 33, 20, 2),                        # per head
     (sa.bigbird(block=8, window_blocks=3, global_blocks=1, random_blocks=2), 100, 100, 2),
+    # a decode row whose Random draws around a sibling holding a Random, resolved from the row's first position
+    # (found by CI's hypothesis run of the test above: the predicate resolved the sibling at the queries only)
+    ((sa.Stride(1) & sa.Random(1, block_size=4)) | sa.Random(1, block_size=16), 1, 21, 1),
+    ((sa.Local(2) & sa.Random(1, block_size=4)) | sa.Random(1, block_size=8), 3, 40, 2),
 ])
 def test_random_and_blocks_are_the_layouts_tiles(pattern, n_q, n_k, heads):
     """Random draws as the layout draws (among the tiles its union siblings leave free, per head)."""
