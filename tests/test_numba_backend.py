@@ -457,29 +457,34 @@ def test_block_size_beyond_the_sequence_uses_memory_of_the_sequence():
 
 
 @numba.njit
-def _lane_maxima_of(row, start):
-    lanes = np.full(lowlevel.LANES, start, row.dtype)
-    lowlevel.lane_maxima(row, lanes)
-    return lanes
+def _lane_maximum_of(row, start):
+    return lowlevel.lane_maximum(row, start)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_lane_maxima_keeps_each_lanes_maximum_and_skips_nan(dtype):
-    """lanes[u] = max(start, row[u::16]) over whole groups of 16 columns (the tail is _row_max's), NaN skipped,
-    -inf kept; the vector loop against numpy on rows of every length mod 16."""
+def test_lane_maximum_is_the_max_of_whole_groups_and_its_first_lane(dtype):
+    """best = max(start, row[:whole]) over whole groups of 16 columns (the tail is _row_max's), NaN skipped, -inf
+    kept; lane = the first u whose columns u, u + 16, ... hold it. Rows of every length mod 64 (the loop's
+    four vectors, the groups of 16 left over), ties between lanes, and a NaN start."""
     rng = np.random.default_rng(0)
-    for n in (0, 15, 16, 17, 100, 1093):
+    lanes = lowlevel.LANES
+    for n in (0, 15, 16, 17, 48, 64, 100, 127, 128, 1093):
         row = (rng.standard_normal(n) * 50).astype(dtype)
         row[rng.random(n) < 0.1] = np.nan
         row[rng.random(n) < 0.1] = -np.inf
-        whole = n - n % lowlevel.LANES
-        for start in (-np.inf, 0.0):
-            expected = np.full(lowlevel.LANES, start, dtype)
-            for u in range(lowlevel.LANES):
-                column = row[u:whole:lowlevel.LANES]
-                column = column[~np.isnan(column)]
-                expected[u] = max(start, column.max(initial=-np.inf))
-            np.testing.assert_array_equal(_lane_maxima_of(row, dtype(start)), expected)
+        whole = n - n % lanes
+        for start in (-np.inf, 0.0, 1e9):
+            columns = [row[u:whole:lanes] for u in range(lanes)]
+            maxima = [max(start, c[~np.isnan(c)].max(initial=-np.inf)) for c in columns]
+            best, lane = _lane_maximum_of(row, dtype(start))
+            assert best == max(maxima)
+            if best > start:
+                assert lane == maxima.index(best)
+    tied = np.zeros(128, dtype)
+    tied[[37, 19, 90]] = 5                                        # lanes 5, 3 and 10 hold 5: the first is 3
+    assert _lane_maximum_of(tied, dtype(0)) == (5, 3)
+    best, lane = _lane_maximum_of(tied, dtype(np.nan))
+    assert np.isnan(best) and lane == 0
 
 
 @pytest.mark.parametrize("module", [numba_package, numba_backend, forward, backward, panels, near_max, schedule, bundles,

@@ -161,7 +161,6 @@ class ForwardScratch(NamedTuple):
     acc: np.ndarray        # (rows, D) running output sum
     m: np.ndarray          # (rows,) running base-2 maximum
     l: np.ndarray          # (rows,) running sum of exp2(S - m)
-    lanes: np.ndarray      # (lanes,) running maxima of a row's columns, one per lane
     hits: np.ndarray       # (width,) int64: a row's columns that get exact scores (large logits)
     panel: Panel
 

@@ -18,7 +18,7 @@ from numba import njit, prange
 from .bf16 import add_pv, head_forward, probabilities, release_tiles, row_window, scores, store, stored_as
 from .bundles import ForwardScratch, kv_example, segment
 from .exact import exact_row
-from .lowlevel import FASTMATH, LANES, exp2, fetch_add, lane_maxima, set_blas_threads_local
+from .lowlevel import FASTMATH, LANES, exp2, fetch_add, lane_maximum, set_blas_threads_local
 from .mods import head_modifiers, modify, position, shifted
 from .near_max import exact_near_max, large_logits
 from .panels import (
@@ -160,7 +160,7 @@ def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, con
     rows, width = s.shape
     for i in range(rows):
         row = s[i]
-        m_new, where = _row_max(row, m[i], scratch.lanes)
+        m_new, where = _row_max(row, m[i])
         exact_column = -1
         if large_logits(m_new):
             exact_max, exact_column = exact_near_max(row, m_new, q[i], k, blocks, block_size, config.base2_scale,
@@ -188,17 +188,12 @@ def _online_softmax(s, m, l, acc, scratch, blocks, block_size, argmax, q, k, con
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _row_max(row, start, lanes):
-    """(max(start, row), where) of a 1-D row, skipping NaN, with ``lanes`` (a scratch array, (LANES,))
-    holding running maxima of the row's columns mod LANES (``lane_maxima``: vector selects, as x86 max
-    instructions are, NaN included). Where the max exceeds start, ``where`` tells _column_of where it is."""
+def _row_max(row, start):
+    """(max(start, row), where) of a 1-D row, skipping NaN: ``lane_maximum`` over the whole groups of LANES
+    columns (vector selects, as x86 max instructions are, NaN included), then the tail. Where the max exceeds
+    start, ``where`` tells _column_of where it is: a lane (columns where, where + LANES, ...) or a tail column."""
     n = row.size
-    lanes[:] = start
-    lane_maxima(row, lanes)
-    best, where = start, 0
-    for u in range(LANES):
-        more = lanes[u] > best
-        best, where = (lanes[u], u) if more else (best, where)
+    best, where = lane_maximum(row, start)
     for j in range(n - n % LANES, n):
         more = row[j] > best
         best, where = (row[j], j) if more else (best, where)
@@ -245,5 +240,5 @@ def _forward_scratch(lse, dim, rows, width, config):
     up to ``width`` keys, in the dtype of ``lse`` (the dtype computed in)."""
     dtype = lse.dtype
     return ForwardScratch(np.empty(rows * width, dtype), np.empty((rows, dim), dtype), np.empty(rows, dtype),
-                          np.empty(rows, dtype), np.empty(LANES, dtype), np.empty(width, np.int64),
+                          np.empty(rows, dtype), np.empty(width, np.int64),
                           panel_scratch(config))

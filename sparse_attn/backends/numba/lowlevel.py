@@ -263,41 +263,73 @@ def _tanh_impl(x):
 # ------------------------------------------------------------------------------------------------
 # Row maxima in vector registers
 # ------------------------------------------------------------------------------------------------
-LANES = 16          # the running maxima lane_maxima keeps: two vectors of 8
-_VECTOR = 8
+LANES = 16          # lane_maximum's lanes: one vector of 16 (float32), or two of 8 (float64)
+_CHAINS = 4         # running vectors in its loop: a select waits for its vector's last one only every fourth
+                    # vector, so the loop runs at the rate of loads, not of the compare's latency
 
 
 @intrinsic
-def lane_maxima(typingctx, row, lanes):
-    """lanes[u] = the largest of lanes[u] and row[u], row[u + 16], row[u + 32], ... over the first
-    ``row.size - row.size % 16`` columns; row: a C-contiguous 1-D float32 or float64 array, lanes (16,) of its
-    dtype. NaN is skipped (the comparison x > lane is false for it). Written as vector selects: LLVM leaves the
-    same loop in Numba scalar (a select of a compare is a max only without NaN, which the flags keep)."""
+def lane_maximum(typingctx, row, start):
+    """(best, lane): best = the largest of start and the row's first ``row.size - row.size % 16`` columns,
+    NaN skipped (the comparison x > best is false for it); lane = the smallest u whose columns u, u + 16,
+    u + 32, ... hold best (where best > start; 0 when no lane equals best: a NaN start). row: a
+    C-contiguous 1-D float32 or float64 array, start a scalar of its dtype.
+
+    Written as vector selects: LLVM leaves the same loop in Numba scalar (a select of a compare is a max only
+    without NaN, which the flags keep). Four running vectors take groups of 64 columns in turn (column
+    64 g + 16 c + u in vector c's lane u), the groups of 16 left over go to the first; the four are merged
+    lane by lane, the 16 lanes halved four times, and the lane is the lowest set bit of the lanes equal to best.
+    """
     if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
-            and row.dtype in (types.float32, types.float64) and lanes == row):
+            and row.dtype in (types.float32, types.float64) and start == row.dtype):
         return None
 
     def codegen(context, builder, signature, args):
-        row_array, lane_array = (context.make_array(ty)(context, builder, value)
-                                 for ty, value in zip(signature.args, args))
+        row_array = context.make_array(signature.args[0])(context, builder, args[0])
         element = context.get_data_type(signature.args[0].dtype)
-        vector = ir.VectorType(element, _VECTOR)
+        vector = ir.VectorType(element, LANES)
         align = signature.args[0].dtype.bitwidth // 8
-        index = ir.IntType(64)
-        rows_v, lanes_v = (builder.bitcast(a.data, vector.as_pointer()) for a in (row_array, lane_array))
-        parts = [builder.gep(lanes_v, [ir.Constant(index, p)]) for p in range(LANES // _VECTOR)]
-        running = [cgutils.alloca_once_value(builder, builder.load(part, align=align)) for part in parts]
+        index, i32 = ir.IntType(64), ir.IntType(32)
+        rows_v = builder.bitcast(row_array.data, vector.as_pointer())
+
+        def larger(x, best):                                    # x where x > best (false for NaN), else best
+            return builder.select(builder.fcmp_ordered(">", x, best), x, best)
+
+        def step(best, group):                                  # best = larger(row's vector ``group``, best)
+            x = builder.load(builder.gep(rows_v, [group]), align=align)
+            builder.store(larger(x, builder.load(best)), best)
+
+        def splat(x):
+            lanes = builder.insert_element(ir.Constant(vector, ir.Undefined), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+
+        start = splat(args[1])
+        chains = [cgutils.alloca_once_value(builder, start) for _ in range(_CHAINS)]
         groups = builder.sdiv(builder.extract_value(row_array.shape, 0), ir.Constant(index, LANES))
-        with cgutils.for_range(builder, groups) as loop:
-            first = builder.mul(loop.index, ir.Constant(index, len(parts)))
-            for p, best in enumerate(running):
-                x = builder.load(builder.gep(rows_v, [builder.add(first, ir.Constant(index, p))]), align=align)
-                old = builder.load(best)
-                builder.store(builder.select(builder.fcmp_ordered(">", x, old), x, old), best)
-        for part, best in zip(parts, running):
-            builder.store(builder.load(best), part, align=align)
-        return context.get_dummy_value()
-    return types.void(row, lanes), codegen
+        rounds = builder.sdiv(groups, ir.Constant(index, _CHAINS))
+        with cgutils.for_range(builder, rounds) as loop:                   # 64 columns a round
+            first = builder.mul(loop.index, ir.Constant(index, _CHAINS))
+            for c, best in enumerate(chains):
+                step(best, builder.add(first, ir.Constant(index, c)))
+        done = builder.mul(rounds, ir.Constant(index, _CHAINS))
+        with cgutils.for_range(builder, builder.sub(groups, done)) as loop:  # the groups of 16 left
+            step(chains[0], builder.add(done, loop.index))
+        merged = builder.load(chains[0])
+        for best in chains[1:]:
+            merged = larger(builder.load(best), merged)
+        best, width = merged, LANES                               # halve: lane u against lane u + width / 2
+        while width > 1:
+            width //= 2
+            upper = [u + width if u < width else u for u in range(LANES)]
+            best = larger(builder.shuffle_vector(best, best, ir.Constant(ir.VectorType(i32, LANES), upper)), best)
+        best = builder.extract_element(best, ir.Constant(i32, 0))
+        equal = builder.fcmp_ordered("==", merged, splat(best))            # (16,) i1: the lanes holding best
+        bits = builder.zext(builder.bitcast(equal, ir.IntType(LANES)), i32)
+        lane = builder.cttz(builder.or_(bits, ir.Constant(i32, 1 << LANES)), ir.Constant(ir.IntType(1), 0))
+        lane = builder.select(builder.icmp_unsigned("==", lane, ir.Constant(i32, LANES)), ir.Constant(i32, 0), lane)
+        return context.make_tuple(builder, signature.return_type, [best, builder.sext(lane, index)])
+    sig = types.Tuple((row.dtype, types.int64))(row, start)
+    return sig, codegen
 
 
 @njit(cache=True)
