@@ -19,7 +19,7 @@ Forward task (query block ``r`` of head ``h``, ``forward._forward_block``), Flas
    is one panel of two runs, so its softmax is one pass and its matmuls are few and large.
 2. Per panel: ``S = (scale log2(e)) q[r] @ k[run].T`` per run (BLAS sgemm/dgemm, scores in base 2
    so ``exp2`` is used), ``-inf`` where a partial block's tile is False, then per row: new max
-   ``m'`` (16 running lanes, so the reduction vectorises) and the key holding it, ``P = exp2(S - m')``,
+   ``m'`` (running vectors of 16 lanes, reduced in vectors) and the key holding it, ``P = exp2(S - m')``,
    ``l = l * exp2(m - m') + sum(P)``, ``acc = acc * exp2(m - m') + P @ v[run]`` per run (the gemm
    accumulates into acc: beta = 1). A partial block alone in its run is computed only on its
    tile's span of allowed keys (a Longformer band row's global-column block: 16 of 64 keys); the
