@@ -197,7 +197,8 @@ def _empty(buffer: str | None, shape: tuple[int, ...], dtype: torch.dtype) -> to
     return torch.empty(shape, dtype=dtype) if buffer is None else workspace.empty(buffer, tuple(shape), dtype)
 
 
-_TILE = 16  # the transposes' tiles: 16 keys (_transpose_scaled) or columns (transpose)
+_TILE = 16  # the transposes' tiles: 16 keys (_transpose_scaled), or 16 columns of 8 rows (transpose)
+_TILE_ROWS = 8
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
@@ -372,17 +373,23 @@ def to_bf16(x, scale, out, width):
 @njit(cache=True, fastmath=FASTMATH)
 def transpose(x, out):
     """out (W, R') = x.T for x (R, W), R <= R'; columns R..R' of out are 0. (Converting first and then
-    moving 16-bit values reads and writes 3x faster than converting in transposed order.) In tiles of
-    ``_TILE`` columns of x: each row of x gives a cache line of the tile at once. (Column by column, the
-    rows of a panel whose width is a power of two, 512 or 2048 as the backward's panels of 8 or 32 query
-    blocks are, fall on a few cache sets and evict each other before the next column reads them.)"""
+    moving 16-bit values reads and writes 3x faster than converting in transposed order.) In tiles of 8 rows
+    and ``_TILE`` columns of x, each column of a tile one row of out: a tile reads 8 cache lines. (Whole
+    columns of x at once read one line per row, and the rows of a panel whose width is a power of two, 512,
+    1024 or 2048 as the backward's panels of 8, 16 or 32 query blocks are, fall on a few cache sets and evict
+    each other before the next column reads them.)"""
     rows, cols = x.shape
-    whole = cols - cols % _TILE
-    for j0 in range(0, whole, _TILE):
-        for i in range(rows):
+    whole_rows, whole_cols = rows - rows % _TILE_ROWS, cols - cols % _TILE
+    for j0 in range(0, whole_cols, _TILE):
+        for i0 in range(0, whole_rows, _TILE_ROWS):
+            for j in range(j0, j0 + _TILE):
+                column, row = x[i0:i0 + _TILE_ROWS, j], out[j, i0:i0 + _TILE_ROWS]      # 1-D slices
+                for i in range(_TILE_ROWS):
+                    row[i] = column[i]
+        for i in range(whole_rows, rows):
             for j in range(j0, j0 + _TILE):
                 out[j, i] = x[i, j]
-    for j in range(whole, cols):
+    for j in range(whole_cols, cols):
         for i in range(rows):
             out[j, i] = x[i, j]
     for j in range(cols):
