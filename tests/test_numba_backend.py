@@ -366,6 +366,24 @@ def test_gradcheck_float64():
                                                                      return_lse=True), (q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [300, 1000])
+def test_argmax_is_a_key_holding_the_row_maximum(dtype, n):
+    """The forward's argmax (the backward pins each row's maximum there) is a key of the row's maximum score:
+    query i points along axis i % 16, and two copies of a key stand out along that axis (an exact tie), at
+    random positions in the lanes, groups and tail of the panel row; every other key scores lower."""
+    gen = torch.Generator().manual_seed(n)
+    q = 4 * torch.eye(16, dtype=dtype)[torch.arange(n) % 16].reshape(1, 1, n, 16)     # (B, H, N, D), one-hot
+    k = torch.rand(1, 1, n, 16, generator=gen, dtype=dtype) * 2 - 1
+    pairs = torch.randperm(n, generator=gen)[:32].reshape(16, 2)                      # distinct keys
+    for axis, (j1, j2) in enumerate(pairs.tolist()):
+        k[0, 0, j1] = k[0, 0, j2] = torch.where(torch.arange(16) == axis, 5.0, k[0, 0, j1])
+    layout = sa.Dense().layout(n, n, block_size=64)
+    argmax = numba_backend.numba_attention(q, k, k, list(layout.index), 64, 0.25)[3][0, 0]       # (N,)
+    copies = pairs[torch.arange(n) % 16]                                              # (N, 2)
+    assert ((argmax[:, None] == copies).any(1)).all()
+
+
 def _op_args(dtype=torch.float32):
     (q, k, v), layout = case_inputs(CASES[IDS.index("gqa")], dtype)
     return (q, k, v, list(layout.index), layout.block_size, 0.25)
