@@ -123,9 +123,12 @@ def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, hea
 def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
     """Step 3: out = acc / l and the row statistics, from a block's running m, l, acc (rows, ...);
     a row with no allowed key gets 0, -inf; a row whose result is not finite goes to the exact path.
-    out is stored in its own dtype (bf16 bits for bf16 inputs: rounded once, from the computed dtype)."""
+    out is stored in its own dtype (bf16 bits for bf16 inputs: rounded once, from the computed dtype).
+    The rare rows are left with lse NaN for _finish_other_rows, outside this loop (in it, their code
+    slowed every row)."""
     rows, dim = acc.shape
     out = result.out
+    others = 0
     for i in range(rows):
         finite = l[i] > 0                                # out = acc / l; every value finite?
         if finite:                                       # (a comparison false for NaN and inf: no
@@ -139,15 +142,28 @@ def _finish_rows(q, k, v, key_blocks, masks, config, m, l, acc, result, head):
             result.lse[i] = (np.float64(m[i]) + np.float64(log2_l)) * _LN2       # rounded once
             result.row_max[i] = m[i]
             result.log2_sum[i] = log2_l
-        elif l[i] == 0 and not _row_has_key(i, key_blocks, masks):             # no allowed key
+        else:
+            result.lse[i] = np.nan
+            others += 1
+    if others:
+        _finish_other_rows(q, k, v, key_blocks, masks, config, l, acc, result, head)
+
+
+@njit(cache=True, fastmath=False)
+def _finish_other_rows(q, k, v, key_blocks, masks, config, l, acc, result, head):
+    """The rows _finish_rows left with lse NaN: 0 and -inf for a row with no allowed key, else the exact path
+    (NaN or inf met, an overflow, or every score underflowed to -inf)."""
+    out = result.out
+    for i in range(acc.shape[0]):
+        if not np.isnan(result.lse[i]):
+            continue
+        if l[i] == 0 and not _row_has_key(i, key_blocks, masks):                 # no allowed key
             out[i] = 0
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = -np.inf, np.inf, 0, -1
-        else:                  # NaN or inf met, an overflow, or every score underflowed to -inf
+        else:
             result.lse[i], result.row_max[i], result.log2_sum[i], result.argmax[i] = exact_row(
                 i, q[i], k, v, key_blocks, masks, config, acc[i], head)            # into acc's row, then out's
             store(out[i:i + 1], acc[i:i + 1])
-
-
 
 
 @njit(cache=True, fastmath=FASTMATH)
