@@ -309,8 +309,8 @@ def test_transposed_scales_pads_and_zeroes(n):
 @pytest.mark.parametrize("rows, cols, out_rows", [(64, 512, 64), (64, 2048, 64), (63, 2047, 64), (5, 17, 8),
                                                   (1, 15, 2), (3, 16, 3), (4, 0, 4)])
 def test_transpose_moves_every_value_and_zeroes_the_padding(dtype, rows, cols, out_rows):
-    """out (W, R') = x.T, columns R.. of out 0: whole tiles of 16 columns, the tail, and the padding, over what
-    out held before (bf16 bits and float32)."""
+    """out (W, R') = x.T, columns R.. of out 0: whole tiles of 8 rows by 16 columns, the rows and columns left
+    over, and the padding, over what out held before (bf16 bits and float32)."""
     x = np.random.default_rng(cols).integers(1, 60000, (rows, cols)).astype(dtype)
     out = np.full((cols, out_rows), 7, dtype)
     numba_bf16.transpose(x, out)
