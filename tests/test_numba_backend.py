@@ -349,11 +349,12 @@ def test_static_schedule_deals_every_task_once_balanced():
         assert sorted(tasks) == list(range(len(costs)))
         loads = [int((costs[tasks[ptr[w]:ptr[w + 1]]] + 1).sum()) for w in range(workers)]
         assert max(loads) - min(loads) <= 81                                      # LPT: within the heaviest task
+        assert all(np.all(np.diff(tasks[ptr[w]:ptr[w + 1]]) > 0) for w in range(workers))  # each in id order
         again = schedule.static_schedule(order, costs, workers)
         assert np.array_equal(ptr, again[0]) and np.array_equal(tasks, again[1])
     ptr, tasks = schedule.static_schedule(order, costs, 2)
     assert list(tasks[ptr[0]:ptr[1]]) == [0]                                      # the global task alone
-    assert sorted(tasks[ptr[1]:ptr[2]]) == list(range(1, 10))
+    assert list(tasks[ptr[1]:ptr[2]]) == list(range(1, 10))
 
 
 def test_gradcheck_float64():

@@ -53,8 +53,9 @@ Scheduling and determinism:
   of every example into them, so a shared k, v needs no per-example dK/dV buffer and has no
   race), but dQ rows get terms from many key blocks.
   The tasks are dealt *statically* to the workers (heaviest first, each to the least-loaded
-  worker so far: a function of the layout and the thread count only); worker ``w`` adds its dQ
-  terms, in its fixed task order, into its own dQ-sized buffer (``dq`` itself for worker 0), and
+  worker so far: a function of the layout and the thread count only), and each worker runs its
+  tasks in task-id order (head by head, so a head's q, dO and dQ rows stay in cache); worker ``w``
+  adds its dQ terms, in that fixed order, into its own dQ-sized buffer (``dq`` itself for worker 0), and
   the buffers are summed in worker order at the end. No atomics on data, no races, and two runs
   with the same thread count are bitwise identical.
 

@@ -9,7 +9,7 @@ a shared counter) and the backward's static deal (reproducible dQ sums).
 [1, 3, 2, 0]
 >>> ptr, tasks = static_schedule(order, costs, 2)
 >>> ptr.tolist(), tasks.tolist()
-([0, 2, 4], [1, 2, 3, 0])
+([0, 2, 4], [1, 2, 0, 3])
 """
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def heaviest_first(costs: np.ndarray) -> np.ndarray:
 @njit(cache=True)
 def static_schedule(order, costs, n_workers):
     """Tasks of ``order`` (heaviest first) dealt to the least-loaded worker so far (LPT, ties to
-    the lowest worker): worker w runs ``tasks[ptr[w]:ptr[w + 1]]`` in that order. Depends only on
-    the layout and n_workers, so the dQ sums of every worker's buffer are reproducible."""
+    the lowest worker): worker w runs ``tasks[ptr[w]:ptr[w + 1]]``, in task-id order (example, head,
+    block): consecutive tasks then read the same head's rows, which stay in cache, where heaviest
+    first would walk every head at each cost (BigBird-ITC's backward at 4K: 8-11% faster, one-off).
+    Depends only on the layout and n_workers, so the dQ sums of every worker's buffer are reproducible."""
     load = np.zeros(n_workers, np.int64)
     owner = np.empty(order.size, np.int64)
     ptr = np.zeros(n_workers + 1, np.int64)
@@ -57,4 +59,6 @@ def static_schedule(order, costs, n_workers):
     for t in range(order.size):
         tasks[fill[owner[t]]] = order[t]
         fill[owner[t]] += 1
+    for w in range(n_workers):
+        tasks[ptr[w]:ptr[w + 1]] = np.sort(tasks[ptr[w]:ptr[w + 1]])
     return ptr, tasks
