@@ -57,7 +57,8 @@ Scheduling and determinism:
   tasks in task-id order (head by head, so a head's q, dO and dQ rows stay in cache); worker ``w``
   adds its dQ terms, in that fixed order, into its own dQ-sized buffer (``dq`` itself for worker 0), and
   the buffers are summed in worker order at the end. No atomics on data, no races, and two runs
-  with the same thread count are bitwise identical.
+  with the same thread count are bitwise identical (but for the process that compiles the kernels,
+  whose results differ from the cached kernels' in the last bit: docs/backend-numba.md, Determinism).
 
 Memory beyond inputs, outputs and gradients: O(N) (lse, m, log2 l and the key of m per row, delta,
 task lists), per-worker scratch of two panels of ``min(block, n)`` x ``min(panels.PANEL_KEYS, n)`` (sized by
