@@ -42,10 +42,10 @@ def heaviest_first(costs: np.ndarray) -> np.ndarray:
 def static_schedule(order, costs, n_workers):
     """Tasks of ``order`` (heaviest first) dealt to the least-loaded worker so far (LPT, ties to
     the lowest worker): worker w runs ``tasks[ptr[w]:ptr[w + 1]]``, in task-id order (example, head,
-    block): consecutive tasks then read the same head's rows, which stay in cache, where heaviest
-    first would walk every head at each cost (BigBird-ITC forward+backward 1.03x-1.04x faster in
-    benchmarks/results/numba_ab).
-    Depends only on the layout and n_workers, so the dQ sums of every worker's buffer are reproducible."""
+    block), so consecutive tasks read the same head's rows while they are in cache; run heaviest
+    first, they walked every head at each cost (BigBird-ITC forward+backward 1.03x-1.04x slower, in
+    benchmarks/results/numba_ab). Depends only on the layout and n_workers, so the dQ sums of every
+    worker's buffer are reproducible."""
     load = np.zeros(n_workers, np.int64)
     owner = np.empty(order.size, np.int64)
     ptr = np.zeros(n_workers + 1, np.int64)
