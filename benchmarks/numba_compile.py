@@ -6,11 +6,13 @@
 
 A float32 forward, its backward, then a bfloat16 forward (B=1, H=2, N=256, D=64, ``Local(32) | Global(first=4)``),
 each timed once on the wall clock and in this process's CPU time (Numba compiles on one thread, so on a shared
-machine the CPU time says more than the wall clock); prints one line of seconds. Point ``NUMBA_CACHE_DIR`` at an
+machine the CPU time says more than the wall clock); prints one line of seconds, and a digest of the results' bits
+(the same seeded inputs every run), so a cold and a warm process can be compared bit for bit. Point ``NUMBA_CACHE_DIR`` at an
 empty folder for a cold run: the package's own cache would otherwise be warm already. ``--out`` writes the seconds
-with the CPU, the load average before and after, the cache folder and the Numba version as JSON.
+with the CPU, the load average before and after, the cache folder, the digest and the Numba version as JSON.
 """
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -26,7 +28,8 @@ parser.add_argument("--out", help="a JSON file to write the record to")
 args = parser.parse_args()
 
 load_before = machine.load_average()
-q, k, v = (torch.randn(1, 2, 256, 64, requires_grad=True) for _ in range(3))       # (B, H, N, D)
+generator = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 256, 64, generator=generator, requires_grad=True) for _ in range(3))  # (B, H, N, D)
 layout = (sa.Local(32) | sa.Global(first=4)).layout(256, heads=2)
 seconds, cpu_seconds = {}, {}
 
@@ -41,13 +44,17 @@ def timed(name, call):
 
 out = timed("forward", lambda: sa.sparse_attention(q, k, v, layout, backend="numba"))
 timed("backward", lambda: out.sum().backward())
-timed("bf16 forward", lambda: sa.sparse_attention(*(t.detach().bfloat16() for t in (q, k, v)), layout, backend="numba"))
+out_bf16 = timed("bf16 forward",
+                 lambda: sa.sparse_attention(*(t.detach().bfloat16() for t in (q, k, v)), layout, backend="numba"))
+results = (out, q.grad, k.grad, v.grad, out_bf16)
+digest = hashlib.sha256(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                 for t in results)).hexdigest()[:16]
 print(", ".join(f"{name} {seconds[name]:.1f} s (CPU {cpu_seconds[name]:.1f} s)" for name in seconds)
-      + f" ({machine.cpu_model()}, load {load_before[0]:.2f})")
+      + f" ({machine.cpu_model()}, load {load_before[0]:.2f}); results' bits {digest}")
 if args.out:
     record = {"seconds": {name: round(s, 2) for name, s in seconds.items()},
               "cpu_seconds": {name: round(s, 2) for name, s in cpu_seconds.items()}, "cpu": machine.cpu_model(),
               "load_average_before": load_before, "load_average_after": machine.load_average(),
-              "numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "numba": numba.__version__}
+              "numba_cache_dir": os.environ.get("NUMBA_CACHE_DIR"), "digest": digest, "numba": numba.__version__}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
