@@ -6,10 +6,11 @@
 
 A float32 forward, its backward, then a bfloat16 forward (B=1, H=2, N=256, D=64, ``Local(32) | Global(first=4)``),
 each timed once on the wall clock and in this process's CPU time (Numba compiles on one thread, so on a shared
-machine the CPU time says more than the wall clock); prints one line of seconds, and a digest of the results' bits
-(the same seeded inputs every run), so a cold and a warm process can be compared bit for bit. Point ``NUMBA_CACHE_DIR`` at an
-empty folder for a cold run: the package's own cache would otherwise be warm already. ``--out`` writes the seconds
-with the CPU, the load average before and after, the cache folder, the digest and the Numba version as JSON.
+machine the CPU time says more than the wall clock); prints one line of seconds, and a digest of the results'
+bits (the same seeded inputs every run), so a cold and a warm process can be compared bit for bit. Point
+``NUMBA_CACHE_DIR`` at an empty folder for a cold run: the package's own cache would otherwise be warm already.
+``--out`` writes the seconds with the CPU, the load average before and after, the cache folder, the digest and the
+Numba version as JSON.
 """
 import argparse
 import hashlib
