@@ -12,9 +12,6 @@ imported when asked for.
 """
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -22,68 +19,6 @@ if TYPE_CHECKING:
     import torch
 
 MODULES = ("reference", "numba", "triton")
-
-
-def numba_cache_fallback() -> str | None:
-    """The directory the Numba kernels must cache in because Numba has none, or None where it has one.
-
-    Numba caches a compiled kernel (``cache=True``) in ``NUMBA_CACHE_DIR`` when that is set, else in
-    ``__pycache__`` next to the module (``backends/numba/``), else in the user cache (``$XDG_CACHE_HOME/numba`` or
-    ``~/.cache/numba``), the first it can write; with none (a read-only install and a read-only or
-    missing home, as in some containers) importing the kernels fails: "cannot cache function ...: no
-    locator available". Then: ``<temp dir>/sparse_attn-numba-cache-<uid>``, kept across processes.
-    """
-    if os.environ.get("NUMBA_CACHE_DIR") or _numba_config_cache_dir():
-        return None
-    if _writable(_kernels_pycache()) or _writable(_user_cache_dir()):
-        return None
-    try:
-        return os.path.join(tempfile.gettempdir(), f"sparse_attn-numba-cache-{os.getuid()}"
-                            if hasattr(os, "getuid") else "sparse_attn-numba-cache")
-    except OSError:                                      # no writable temp dir either: Numba's error stands
-        return None
-
-
-def _kernels_pycache() -> str:
-    """The ``__pycache__`` next to the Numba kernels (the ``numba`` subpackage), Numba's first choice."""
-    return os.path.join(os.path.dirname(__file__), "numba", "__pycache__")
-
-
-def _numba_config_cache_dir() -> str:
-    """Numba's cache dir setting where Numba is imported already (it read NUMBA_CACHE_DIR then), else ''."""
-    config = getattr(sys.modules.get("numba"), "config", None)
-    return getattr(config, "CACHE_DIR", "") or ""
-
-
-def _user_cache_dir() -> str:
-    """Numba's user-wide cache directory (numba.misc.appdirs, as Numba's own locator asks it)."""
-    from numba.misc.appdirs import AppDirs
-
-    return AppDirs(appname="numba", appauthor=False).user_cache_dir
-
-
-def _writable(path: str) -> bool:
-    """Whether the directory exists or can be made, and a file can be written in it (Numba's own test)."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
-        return True
-    except OSError:
-        return False
-
-
-def _point_numba_cache() -> None:
-    """Where Numba has no writable cache directory, give it ``numba_cache_fallback()`` (before any kernel
-    module is imported: Numba picks a kernel's cache directory when it decorates it)."""
-    fallback = numba_cache_fallback()
-    if fallback is None:
-        return
-    os.environ["NUMBA_CACHE_DIR"] = fallback
-    if "numba" in sys.modules:
-        sys.modules["numba"].config.CACHE_DIR = fallback
-
-
-_point_numba_cache()
 
 
 def check_name(backend) -> str:

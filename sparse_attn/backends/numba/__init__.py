@@ -114,8 +114,8 @@ in place right after their matmul, before the mask, ``x <- c log2(e) tanh(x ln2 
 |i' - j|``, so the row max, its key, ``m`` and ``log2 l`` are the modified scores', and the large-logit
 exact scores are modified the same way. The backward recomputes the modified ``S.T`` so, keeps
 ``1 - tanh^2`` per pair, and multiplies ``dS`` by it once ``backward._max_pair_grads`` is done; the exact path
-applies them in float64. Without modifiers the Config's softcap and slopes are None and the kernels
-are compiled without them (a specialisation of their own, as are softcap alone and ALiBi alone).
+applies them in float64. Without modifiers the Config's softcap is 0 and its slopes empty, and the panel loops
+skip them (one test per run of scores): one compiled forward and backward per dtype serve every combination.
 
 Code
 ----
@@ -126,6 +126,9 @@ the order above), ``panels`` (walking a Segment in panels of runs, shared by bot
 ``bundles`` (the namedtuples the kernels pass: the layout's index as they walk it, sizes and scales,
 results, gradients, scratch), ``bf16`` (the bf16 matmuls and operands), ``exact`` (the exact path),
 ``mods`` (softcap and ALiBi on score panels and single scores), ``workspace`` (buffers reused between
-calls) and ``lowlevel`` (BLAS ``gemm``,
-``exp2``, ``tanh``, the atomic counter, fastmath flags, BLAS threads).
+calls), ``cache`` (where the compiled kernels are kept), ``notice`` (the line said when one compiles) and
+``lowlevel`` (BLAS ``gemm``, ``exp2``, ``tanh``, the atomic counter, fastmath flags, BLAS threads).
 """
+from . import cache
+
+cache.install()                 # before the kernel modules: Numba picks a function's cache when it decorates it

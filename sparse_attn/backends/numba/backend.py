@@ -20,7 +20,7 @@ import torch
 
 from ...layout import BlockLayout, KernelIndex
 from ...score_mods import NO_MODS, ScoreMods
-from . import workspace
+from . import notice, workspace
 from .backward import backward_kernel, delta_rows, maxima_by_key_block, sum_parts
 from .bf16 import backward_operands, bits, float32_brgemm, forward_operands
 from .bf16 import native as native_bf16
@@ -33,6 +33,7 @@ from .panels import PANEL_KEYS, panel_capacity
 from .schedule import heaviest_first, static_schedule, task_costs
 
 BLOCK_SIZE = 64
+notice.announce_compiles()
 _LOG2E = 1.0 / math.log(2.0)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -218,8 +219,8 @@ def _array(t: torch.Tensor) -> np.ndarray:
 def _config(dtype: torch.dtype, block_size: int, scale: float, softcap: float, alibi_slopes: torch.Tensor | None,
             n_q: int, n_k: int) -> Config:
     """Sizes, scales and score modifiers of a call of n_q queries over n_k keys, the scales in the dtype
-    computed in (float32 stays float32); without modifiers, softcap and slopes None: the kernels' own
-    specialisation."""
+    computed in (float32 stays float32); the modifiers neutral where the call has none (``mods.call_modifiers``),
+    so every call of a dtype runs the same compiled kernels."""
     return Config(block_size, max(1, PANEL_KEYS // block_size), _as(dtype, scale), _as(dtype, scale * _LOG2E),
                   *call_modifiers(softcap, alibi_slopes, dtype, n_q, n_k))
 

@@ -119,7 +119,7 @@ def _backward_head(key_block, q, result, incoming, maxima, query_blocks, columns
     """One key block against one query head: adds to key_block.dk, .dv (cols, D) and to the head's
     dq (Nq, D). q (Nq, D), result and incoming: the query head's rows; maxima: its queries whose row
     maximum is in this key block; query_blocks: the key block's Segment; ops: the bf16 operands or None;
-    head: the query head's HeadModifiers, or None (with softcap, dS of the capped scores times 1 - tanh^2).
+    head: the query head's HeadModifiers (with softcap, dS of the capped scores times 1 - tanh^2).
     A panel computes only the keys its blocks allow (past the band, the global key block of Longformer
     allows its global keys alone): the KeyBlock of those keys."""
     n_q = q.shape[0]

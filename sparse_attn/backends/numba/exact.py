@@ -26,7 +26,7 @@ from .mods import exact_modified, exact_softcap_grad, head_modifiers, modified, 
 @njit(cache=True, fastmath=False)
 def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i, head):
     """Row i of a query block (q_i (D,); k, v (Nk, D) of its kv head; key_blocks: the block's
-    Segment; head: the block's HeadModifiers, or None) as the reference computes it over the row's
+    Segment; head: the block's HeadModifiers) as the reference computes it over the row's
     allowed keys, with the score modifiers: shift = the max score (NaN if
     a score is NaN, 0 if it is infinite), w = exp(s - shift), out = sum(w / sum(w) * v),
     lse = shift + log(sum(w)); no key with w > 0: out 0 @ v, lse -inf. Writes out_i; returns lse and
@@ -35,23 +35,29 @@ def exact_row(i, q_i, k, v, key_blocks, masks, config, out_i, head):
     backward."""
     scale, query = config.scale, position(head, i)
     keys = _allowed(i, key_blocks, masks, config.block_size, k.shape[0])
+    # Each score once, into an array: loops over the keys that recomputed the score became, for D = 0 (a
+    # version LLVM unswitches out), a loop over a loop-invariant score, which each of Numba's optimisation
+    # runs unrolled 8x again for Intel targets (8 ** 6 copies of its address chain: LLVM's code generation
+    # then overflowed the stack, a segfault seen with softcap alone).
+    scores = np.empty(keys.size)
+    for e in range(keys.size):
+        scores[e] = exact_modified(head, _score(q_i, k[keys[e]], scale), query - keys[e])
     shift, arg, nan = -np.inf, -1, False
-    for j in keys:
-        s = exact_modified(head, _score(q_i, k[j], scale), query - j)
-        if s != s:
+    for e in range(keys.size):
+        if scores[e] != scores[e]:
             nan = True
-        elif s > shift:
-            shift, arg = s, j
+        elif scores[e] > shift:
+            shift, arg = scores[e], keys[e]
     shift = np.nan if nan else (0.0 if np.isinf(shift) else shift)
     total = 0.0
-    for j in keys:
-        total += np.exp(exact_modified(head, _score(q_i, k[j], scale), query - j) - shift)
+    for e in range(keys.size):
+        total += np.exp(scores[e] - shift)
     norm = total if total != 0 else 1.0
     acc = np.zeros(out_i.size)
-    for j in keys:
-        w = np.exp(exact_modified(head, _score(q_i, k[j], scale), query - j) - shift) / norm
+    for e in range(keys.size):
+        w = np.exp(scores[e] - shift) / norm
         for d in range(out_i.size):
-            acc[d] += w * to_float(v[j, d])
+            acc[d] += w * to_float(v[keys[e], d])
     copy_into(out_i, acc)
     if total == 0:
         return -np.inf, np.inf, 0.0, -1

@@ -78,7 +78,7 @@ def _forward_worker(counter, w, qkv, ops, index, config, order, result):
 @njit(cache=True, fastmath=FASTMATH)
 def _forward_block(q, k, v, ops, key_blocks, index, config, scratch, result, head):
     """One query block: q (rows, D); k, v (Nk, D) of its kv head; ops: their bf16 operands or None;
-    key_blocks its Segment; head: the block's HeadModifiers (None without modifiers). Steps 1-3 of
+    key_blocks its Segment; head: the block's HeadModifiers. Steps 1-3 of
     the algorithm, each run's scores modified right after their matmul; writes result (the block's
     rows of the ForwardResult)."""
     rows = q.shape[0]

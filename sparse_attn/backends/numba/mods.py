@@ -17,10 +17,13 @@ derivative for the backward, and the same formulas on single scores for the exac
 
 The kernels hold scores in base 2 with the scale folded in, ``x = log2(e) scale q . k``. With
 ``s = x ln 2``: softcap gives ``c log2(e) tanh(x ln2 / c)``, then ALiBi subtracts ``log2(e) slope |i' - j|``,
-i' = i + (n_k - n_q). Without modifiers the Config's softcap and slopes are None, ``head_modifiers`` gives
-None, and every function here is a no-op that Numba compiles away (the kernels specialise on the types),
-so the unmodified kernels are the ones without this module; softcap alone and ALiBi alone are their own
-specialisations too.
+i' = i + (n_k - n_q).
+
+Every call carries both modifiers, each neutral when the call has none: a softcap of 0 is no softcap, and a
+slope of 0 (or no slopes at all) is no ALiBi. So each dtype compiles one forward and one backward whatever the
+call's modifiers: the panel loops test the head's modifiers once per run of scores and skip what is neutral,
+which costs nothing next to the run's matmul, where a specialisation per combination cost a cold compile
+each (about 35 s of CPU on a 2-core AMD EPYC for a forward and its backward).
 """
 from __future__ import annotations
 
@@ -29,8 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import types
-from numba.extending import overload
+from numba import njit
 
 from .lowlevel import FASTMATH, like, tanh
 
@@ -47,8 +49,8 @@ class ScoreModifiers(NamedTuple):
     fields of ``bundles.Config`` (flat there: Numba's parallel loops take a tuple's arrays only one level
     deep)."""
 
-    softcap: np.float64 | None   # c > 0; None: no softcap
-    slopes: np.ndarray | None    # (B or 1, Hq) ALiBi slopes in the dtype computed in; None: no ALiBi
+    softcap: np.float64          # c > 0; 0: no softcap
+    slopes: np.ndarray           # (B or 1, Hq) ALiBi slopes in the dtype computed in; (1, 0): no ALiBi
     shift: int                   # n_k - n_q: query row i sits at key position i + shift
 
 
@@ -56,253 +58,136 @@ class HeadModifiers(NamedTuple):
     """The modifiers of one (example, query head): natural units in float64 for the exact path, base-2
     units in the dtype computed in for the panels."""
 
-    softcap: tuple | None        # (c, ln 2 / c, c log2(e)): x <- c log2(e) tanh(x ln 2 / c); None: no softcap
-    slope: tuple | None          # (slope in float64, log2(e) slope); None: no ALiBi
+    softcap: tuple               # (c, ln 2 / c, c log2(e)): x <- c log2(e) tanh(x ln 2 / c); c = 0: none (all 0)
+    slope: tuple                 # (slope in float64, log2(e) slope); 0: no ALiBi
     first: int                   # the key-sequence position of row 0 of the query array the kernel holds
 
 
 def call_modifiers(softcap: float, slopes: torch.Tensor | None, dtype: torch.dtype, n_q: int,
                    n_k: int) -> ScoreModifiers:
-    """The kernels' ScoreModifiers of a call computed in ``dtype`` (float32 or float64); without modifiers
-    (softcap 0, no slopes) both are None and the kernels compile as if modifiers did not exist. The softcap
-    is clipped to ``_SOFTCAP_RANGE`` of the dtype."""
+    """The kernels' ScoreModifiers of a call computed in ``dtype`` (float32 or float64): softcap 0 and slopes of
+    shape (1, 0) where the call has none. The softcap is clipped to ``_SOFTCAP_RANGE`` of the dtype."""
     low, high = _SOFTCAP_RANGE[dtype]
-    return ScoreModifiers(np.float64(min(max(softcap, low), high)) if softcap else None,
-                          None if slopes is None else slopes.to(dtype).contiguous().numpy(), n_k - n_q)
+    numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
+    return ScoreModifiers(np.float64(min(max(softcap, low), high) if softcap else 0.0),
+                          np.zeros((1, 0), numpy_dtype) if slopes is None else slopes.to(dtype).contiguous().numpy(),
+                          n_k - n_q)
 
 
+@njit(cache=True)
 def head_modifiers(config, b, h, first):
     """The HeadModifiers of example b, query head h, for a query array whose row 0 is query ``first``, from
-    a ``bundles.Config``; None without modifiers."""
+    a ``bundles.Config``."""
+    c, template, slopes = config.softcap, config.scale, config.slopes
+    softcap = (c, like(template, _LN2 / c), like(template, c * _LOG2E)) if c > 0 else \
+        (c, like(template, 0.0), like(template, 0.0))
+    slope = np.float64(slopes[0 if slopes.shape[0] == 1 else b, h]) if slopes.shape[1] > 0 else 0.0
+    return HeadModifiers(softcap, (slope, like(template, slope * _LOG2E)), first + config.shift)
 
 
-@overload(head_modifiers)
-def _head_modifiers(config, b, h, first):
-    if all(isinstance(_field(config, name), types.NoneType) for name in ("softcap", "slopes")):
-        return lambda config, b, h, first: None
-    return lambda config, b, h, first: HeadModifiers(_head_softcap(config.softcap, config.scale),
-                                                     _head_slope(config.slopes, config.scale, b, h),
-                                                     first + config.shift)
-
-
+@njit(cache=True)
 def shifted(head, rows):
-    """The HeadModifiers of the same query array from its row ``rows`` on (None stays None)."""
+    """The HeadModifiers of the same query array from its row ``rows`` on."""
+    return HeadModifiers(head.softcap, head.slope, head.first + rows)
 
 
-@overload(shifted)
-def _shifted(head, rows):
-    if isinstance(head, types.NoneType):
-        return lambda head, rows: None
-    return lambda head, rows: HeadModifiers(head.softcap, head.slope, head.first + rows)
-
-
-def _field(tuple_type, name):
-    """The type of field ``name`` of a NamedTuple type (typing time, for the overloads)."""
-    return tuple_type.types[tuple_type.fields.index(name)]
-
-
-def _head_softcap(softcap, template):
-    """(c, ln 2 / c, c log2(e)), the last two in template's dtype, or None."""
-
-
-@overload(_head_softcap)
-def _head_softcap_impl(softcap, template):
-    if isinstance(softcap, types.NoneType):
-        return lambda softcap, template: None
-    return lambda softcap, template: (softcap, like(template, _LN2 / softcap), like(template, softcap * _LOG2E))
-
-
-def _head_slope(slopes, template, b, h):
-    """(slopes[b or 0, h] in float64, log2(e) times it in template's dtype), or None."""
-
-
-@overload(_head_slope)
-def _head_slope_impl(slopes, template, b, h):
-    if isinstance(slopes, types.NoneType):
-        return lambda slopes, template, b, h: None
-
-    def impl(slopes, template, b, h):
-        slope = np.float64(slopes[0 if slopes.shape[0] == 1 else b, h])
-        return slope, like(template, slope * _LOG2E)
-    return impl
-
-
-def _has_softcap(head_type) -> bool:
-    """Whether a HeadModifiers type (or None's) holds a softcap: typing time, for the overloads."""
-    return not isinstance(head_type, types.NoneType) and not isinstance(_field(head_type, "softcap"), types.NoneType)
+@njit(cache=True)
+def position(head, row):
+    """The key-sequence position of row ``row`` of the head's query array."""
+    return head.first + row
 
 
 # ------------------------------------------------------------------------------------------------
 # Panels of the fast path
 # ------------------------------------------------------------------------------------------------
+@njit(cache=True, fastmath=FASTMATH)
 def modify(head, s, c0, c1, key0):
     """Forward: the modifiers on columns [c0, c1) of s (rows, W) base-2 scores, in place: row r of the
-    head's query array (at key position head.first + r) against key key0 + (c - c0). No-op for head None.
-    (Column bounds rather than a column slice of the panel: a slice of a C-contiguous row keeps unit stride,
-    so the loop over it vectorises.)"""
-
-
-@overload(modify, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modify(head, s, c0, c1, key0):
-    if isinstance(head, types.NoneType):
-        return lambda head, s, c0, c1, key0: None
-
-    def impl(head, s, c0, c1, key0):
+    head's query array (at key position head.first + r) against key key0 + (c - c0). Nothing to do without
+    modifiers. (Column bounds rather than a column slice of the panel: a slice of a C-contiguous row keeps
+    unit stride, so the loop over it vectorises.)"""
+    if head.softcap[0] > 0:
         for r in range(s.shape[0]):
             row = s[r, c0:c1]
             offset = head.first + r - key0                   # distance to row[c]: |offset - c|
             for c in range(row.size):
-                row[c] = modified(head, row[c], offset - c)
-    return impl
+                row[c] = _alibi(head.slope, _capped(head.softcap, row[c]), offset - c)
+    elif head.slope[0] != 0:
+        for r in range(s.shape[0]):
+            row = s[r, c0:c1]
+            offset = head.first + r - key0
+            for c in range(row.size):
+                row[c] = _alibi(head.slope, row[c], offset - c)
 
 
+@njit(cache=True, fastmath=FASTMATH)
 def modify_t(head, st, c0, c1, key0, query0, dcap):
     """Backward: the modifiers on columns [c0, c1) of st (cols, W) = S.T, in place: key key0 + r against
     row query0 + (c - c0) of the head's query array; with softcap, dcap (cols, W) gets the softcap's
     derivative 1 - tanh^2 there (column bounds: as modify)."""
-
-
-@overload(modify_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modify_t(head, st, c0, c1, key0, query0, dcap):
-    if isinstance(head, types.NoneType):
-        return lambda head, st, c0, c1, key0, query0, dcap: None
-
-    def impl(head, st, c0, c1, key0, query0, dcap):
+    if head.softcap[0] > 0:
         for r in range(st.shape[0]):
             row, row_dcap = st[r, c0:c1], dcap[r, c0:c1]
             offset = head.first + query0 - key0 - r           # distance to row[c]: |offset + c|
             for c in range(row.size):
-                row[c] = _modified_t(head.softcap, head.slope, row[c], offset + c, row_dcap, c)
-    return impl
+                t = tanh(row[c] * head.softcap[1])
+                row_dcap[c] = 1 - t * t
+                row[c] = _alibi(head.slope, head.softcap[2] * t, offset + c)
+    elif head.slope[0] != 0:
+        for r in range(st.shape[0]):
+            row = st[r, c0:c1]
+            offset = head.first + query0 - key0 - r
+            for c in range(row.size):
+                row[c] = _alibi(head.slope, row[c], offset + c)
 
 
+@njit(cache=True, fastmath=FASTMATH)
 def modified(head, x, distance):
-    """One base-2 score x with the modifiers of ``head`` (x itself for None), at the signed query - key
-    ``distance``: the panels' formula, in x's dtype."""
+    """One base-2 score x with the modifiers of ``head``, at the signed query - key ``distance``: the panels'
+    formula, in x's dtype."""
+    return _alibi(head.slope, _capped(head.softcap, x) if head.softcap[0] > 0 else x, distance)
 
 
-@overload(modified, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modified(head, x, distance):
-    if isinstance(head, types.NoneType):
-        return lambda head, x, distance: x
-    return lambda head, x, distance: _alibi(head.slope, _capped(head.softcap, x), distance)
-
-
-def position(head, row):
-    """The key-sequence position of row ``row`` of the head's query array (0 for None: no modifier reads it)."""
-
-
-@overload(position)
-def _position(head, row):
-    if isinstance(head, types.NoneType):
-        return lambda head, row: 0
-    return lambda head, row: head.first + row
-
-
-def _modified_t(softcap, slope, x, distance, dcap, c):
-    """modified(), writing dcap[c] = 1 - tanh^2 with softcap."""
-
-
-@overload(_modified_t, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _modified_t_impl(softcap, slope, x, distance, dcap, c):
-    if isinstance(softcap, types.NoneType):
-        return lambda softcap, slope, x, distance, dcap, c: _alibi(slope, x, distance)
-
-    def impl(softcap, slope, x, distance, dcap, c):
-        t = tanh(x * softcap[1])
-        dcap[c] = 1 - t * t
-        return _alibi(slope, softcap[2] * t, distance)
-    return impl
-
-
+@njit(cache=True, fastmath=FASTMATH)
 def _capped(softcap, x):
-    """c log2(e) tanh(x ln 2 / c), or x without softcap."""
+    """c log2(e) tanh(x ln 2 / c) (softcap: HeadModifiers.softcap, c > 0)."""
+    return softcap[2] * tanh(x * softcap[1])
 
 
-@overload(_capped, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _capped_impl(softcap, x):
-    if isinstance(softcap, types.NoneType):
-        return lambda softcap, x: x
-    return lambda softcap, x: softcap[2] * tanh(x * softcap[1])
-
-
+@njit(cache=True, fastmath=FASTMATH)
 def _alibi(slope, x, distance):
-    """x - slope |distance|, or x without ALiBi."""
+    """x - slope |distance|: x itself for slope 0."""
+    return x - slope[1] * like(x, abs(np.int32(distance)))  # int32: AVX2 converts it
 
 
-@overload(_alibi, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _alibi_impl(slope, x, distance):
-    if isinstance(slope, types.NoneType):
-        return lambda slope, x, distance: x
-    return lambda slope, x, distance: x - slope[1] * like(x, abs(np.int32(distance)))  # int32: AVX2 converts it
-
-
+@njit(cache=True, fastmath=FASTMATH)
 def chain_softcap(head, ds, dcap):
     """Backward: ds (cols, n) of the capped scores -> of the raw scores, ds * (1 - tanh^2) from modify_t's
-    dcap; a zero stays zero (masked pairs, whatever dcap holds there). No-op without softcap."""
-
-
-@overload(chain_softcap, fastmath=FASTMATH)  # type: ignore[call-arg]  # numba: jit options as **kwargs
-def _chain_softcap(head, ds, dcap):
-    if not _has_softcap(head):
-        return lambda head, ds, dcap: None
-
-    def impl(head, ds, dcap):
+    dcap; a zero stays zero (masked pairs, whatever dcap holds there). Nothing to do without softcap."""
+    if head.softcap[0] > 0:
         cols, n = ds.shape
         for r in range(cols):
             for c in range(n):
                 x = ds[r, c]
                 ds[r, c] = x * dcap[r, c] if x != 0 else x
-    return impl
 
 
 # ------------------------------------------------------------------------------------------------
 # Single scores of the exact path (float64, natural units)
 # ------------------------------------------------------------------------------------------------
+@njit(cache=True)
 def exact_modified(head, s, distance):
     """A natural-units score s (float64) with the modifiers of ``head``, in float64: softcap
     ``c tanh(s / c)``, then ``- slope |distance|`` (distance: query position - key position)."""
+    c, slope = head.softcap[0], head.slope[0]
+    return (c * np.tanh(s / c) if c > 0 else s) - slope * abs(distance)
 
 
-@overload(exact_modified)
-def _exact_modified(head, s, distance):
-    if isinstance(head, types.NoneType):
-        return lambda head, s, distance: s
-    return lambda head, s, distance: _exact_alibi(head.slope, _exact_capped(head.softcap, s), distance)
-
-
+@njit(cache=True)
 def exact_softcap_grad(head, s):
     """d softcap / d s at the natural-units score s, 1 - tanh(s / c)^2 in float64; 1 without softcap."""
-
-
-@overload(exact_softcap_grad)
-def _exact_softcap_grad(head, s):
-    if not _has_softcap(head):
-        return lambda head, s: 1.0
-
-    def impl(head, s):
-        t = np.tanh(s / head.softcap[0])
+    c = head.softcap[0]
+    if c > 0:
+        t = np.tanh(s / c)
         return 1.0 - t * t
-    return impl
-
-
-def _exact_capped(softcap, s):
-    """c tanh(s / c) in float64, or s."""
-
-
-@overload(_exact_capped)
-def _exact_capped_impl(softcap, s):
-    if isinstance(softcap, types.NoneType):
-        return lambda softcap, s: s
-    return lambda softcap, s: softcap[0] * np.tanh(s / softcap[0])
-
-
-def _exact_alibi(slope, s, distance):
-    """s - slope |distance| in float64, or s."""
-
-
-@overload(_exact_alibi)
-def _exact_alibi_impl(slope, s, distance):
-    if isinstance(slope, types.NoneType):
-        return lambda slope, s, distance: s
-    return lambda slope, s, distance: s - slope[0] * abs(distance)
+    return 1.0
