@@ -2,7 +2,7 @@
 
     sparse-attn info                                  versions, devices, backends
     sparse-attn patterns                              presets with density at 4K and 16K tokens
-    sparse-attn show "Local(64) | Global(first=2)" [--seq-len 4k] [--heads 0,1] [--out fig.png]
+    sparse-attn show "Local(64) | Global(first=2)" [--seq-len 4k] [--head 0] [--heads 0,1] [--out fig.png]
     sparse-attn bench --quick                         time and memory versus N, JSON + markdown + PNG
 
 PATTERN arguments are a benchmark label (``longformer``), a preset name (``bigbird-itc``), a TOML file or an
@@ -32,6 +32,10 @@ from .pattern import Pattern
 
 class UsageError(Exception):
     """A bad argument: printed as ``sparse-attn: error: ...``, exit status 2."""
+
+
+class BenchFailed(Exception):
+    """A bench that measured none of this library's points: printed as ``sparse-attn: error: ...``, exit status 1."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,11 +138,14 @@ def cmd_show(args) -> None:
     from . import viz
 
     pattern, file_heads = read_pattern(args.pattern)
-    n_heads = args.num_heads or file_heads or per_head_count(pattern) or (max(args.heads) + 1 if args.heads else 1)
+    n_heads = args.num_heads or file_heads or per_head_count(pattern) or max([*(args.heads or ()), args.head]) + 1
     heads = list(dict.fromkeys(args.heads or range(min(n_heads, 4))))
     if max(heads) >= n_heads:
         raise UsageError(f"--heads {','.join(map(str, heads))} needs head indices below the pattern's "
                          f"{n_heads} heads; pass --num-heads")
+    if args.head >= n_heads:
+        raise UsageError(f"--head {args.head} needs a head index below the pattern's {n_heads} heads; pass "
+                         f"--num-heads")
     if args.out:
         if len(heads) > _FIGURE_HEADS:
             raise UsageError(f"--heads: a figure draws at most {_FIGURE_HEADS} heads, got {len(heads)}; "
@@ -156,14 +163,26 @@ def cmd_show(args) -> None:
                          f"{args.block_size:,} cannot be built here ({type(error).__name__}: {error}); use a "
                          f"smaller --seq-len, --num-heads or --block-size") from None
     dense_flops = layout.dense_flops(args.head_dim)
-    print(layout)                        # its summary, and its block grid up to 64 blocks a side
-    if layout.bin_factor(_ASCII_SIDE) > 1:
-        print("  " + viz.ascii_grid(layout, max_side=_ASCII_SIDE).replace("\n", "\n  "))
+    print(str(layout).partition("\n  head 0 (")[0])      # its summary, without the grid of head 0 it prints
+    print("  " + viz.ascii_grid(layout, head=args.head, max_side=_ASCII_SIDE).replace("\n", "\n  "))
+    if pattern.head_dependent:
+        print(f"  {_head_hint(args.head, n_heads)}")
     print(f"  forward FLOPs (head_dim {args.head_dim}) {layout.flops(args.head_dim):.3g} = "
           f"{layout.flops(args.head_dim) / dense_flops:.2%} of dense ({dense_flops:.3g})")
     if args.out:
         viz.save(viz.plot_layout(layout, heads=heads, zoom=args.zoom), args.out, dpi=110)
         print(f"wrote {args.out}")
+
+
+def _head_hint(head: int, n_heads: int) -> str:
+    """Which head the text grid of a pattern whose heads differ draws, and how to draw another.
+
+    >>> _head_hint(0, 12)
+    'head 0 of 12 drawn; the heads differ: --head 0..11 draws another'
+    """
+    if n_heads == 1:
+        return "head 0 of 1 drawn; the pattern's heads differ: --head h draws head h (of --num-heads H)"
+    return f"head {head} of {n_heads} drawn; the heads differ: --head 0..{n_heads - 1} draws another"
 
 
 def bench_patterns(labels: Sequence[str], num_heads: int) -> dict[str, Pattern]:
@@ -224,6 +243,10 @@ def cmd_bench(args) -> None:
     for path in bench.write(results, args.out):
         print(f"wrote {path}")
     print(bench.tables(results).strip())
+    missing = bench.own_lines_missing(results)
+    if missing:
+        raise BenchFailed("no measurement of this library's kernels for " + "; ".join(missing) +
+                          " (a larger --timeout, or fewer --lengths, gives them the time)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,6 +281,14 @@ def _head_list(text: str) -> list[int]:
     if not heads or min(heads) < 0:
         raise argparse.ArgumentTypeError(f"expected head indices >= 0 like 0,1,2, got {text!r}")
     return heads
+
+
+def _head(text: str) -> int:
+    heads = _head_list(text)
+    if len(heads) != 1:
+        raise argparse.ArgumentTypeError(f"expected one head index such as 0 or 3, got {text!r} (--heads takes "
+                                         f"several, for the figure)")
+    return heads[0]
 
 
 def _bounded(maximum: float):
@@ -300,10 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
                       f"({', '.join(presets.list_presets())}), a .toml file or an expression")
     show.add_argument("--seq-len", type=_count, default=_SHOW_LENGTH, metavar="N", help="sequence length, e.g. "
                       f"4096 or 4k (default {_short(_SHOW_LENGTH)})")
-    show.add_argument("--heads", type=_head_list, metavar="0,1,...", help=f"heads to draw, at most "
+    show.add_argument("--head", type=_head, default=0, metavar="H", help="the head the text grid draws (default "
+                      "0; the heads of PerHead and Random patterns differ)")
+    show.add_argument("--heads", type=_head_list, metavar="0,1,...", help=f"heads the figure (--out) draws, at most "
                       f"{_FIGURE_HEADS} (default: the first 4)")
     show.add_argument("--num-heads", type=_count, metavar="H", help="heads of the layout (default: the preset "
-                      "file's, else a PerHead's length, else enough for --heads, else 1)")
+                      "file's, else a PerHead's length, else enough for --heads and --head)")
     show.add_argument("--block-size", type=_count, default=64, metavar="B", help="block size (default 64)")
     show.add_argument("--head-dim", type=_count, default=64, metavar="D", help="head dim for the FLOP count "
                       "(default 64)")
@@ -373,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()               # a reader that left shows here, not at exit
     except (UsageError, PatternTextError, ImportError) as error:
         parser.exit(2, f"sparse-attn: error: {error}\n")
+    except BenchFailed as error:
+        parser.exit(1, f"sparse-attn: error: {error}\n")
     except KeyboardInterrupt:
         parser.exit(130, "sparse-attn: interrupted\n")
     except BrokenPipeError:              # `sparse-attn show ... | head`: stop quietly, as a shell tool does

@@ -153,7 +153,8 @@ def any_pool(mask: np.ndarray, max_side: int) -> tuple[np.ndarray, int]:
 
 def ascii_grid(layout: BlockLayout, head: int = 0, batch: int = 0, max_side: int = 64) -> str:
     """The block grid of one (example, head) as text, binned to at most ``max_side`` cells a side; a cell shows
-    the most computed of its blocks, so a lone global row or column stays in view.
+    the most computed of its blocks, so a lone global row or column stays in view. Unbinned, it is the grid
+    ``print(layout)`` draws of head 0, for any head.
 
     >>> import sparse_attn as sa
     >>> print(ascii_grid((sa.Local(64) | sa.Global(first=1)).layout(1024, block_size=64), max_side=4))
@@ -165,8 +166,9 @@ def ascii_grid(layout: BlockLayout, head: int = 0, batch: int = 0, max_side: int
     """
     factor = layout.bin_factor(max_side)
     rows = ["".join(".+#"[state] for state in row) for row in layout.block_grid(batch, head, max_side=max_side)]
-    return "\n".join([f"head {head}, {factor} x {factor} blocks a cell ('#' holds a full block, '+' a partial one, "
-                      f"'.' none):", *rows])
+    legend = (f"head {head}, {factor} x {factor} blocks a cell ('#' holds a full block, '+' a partial one, '.' none):"
+              if factor > 1 else f"head {head} ('#' full, '+' partial, '.' skipped):")   # print(layout)'s words
+    return "\n".join([legend, *rows])
 
 
 def save(figure, path, **options) -> None:

@@ -79,6 +79,44 @@ def test_dense_sdpa_runs_once_per_length_not_once_per_pattern(monkeypatch):
     assert text.count("`sdpa-dense` does not read the pattern: its row is the one measured under a.") == 1
 
 
+def test_the_sweep_compiles_the_librarys_kernels_first_without_a_time_limit(monkeypatch):
+    """A --quick point's 60 s once had to hold the child's cold Numba compile: on a loaded machine numba timed out
+    at 1K, the rest of its line was skipped and the table showed only SDPA. Now a warm-up point (N = 256, no time
+    limit) compiles and caches the kernels before the sweep; implementations that cache nothing get none."""
+    ran = []
+
+    def fake_point(point):
+        ran.append((point["implementation"], point["n"], point["timeout"]))
+        return {"status": "ok", "time_s": 0.01, "memory_mb": 1.0, "wall_s": 0.1}
+
+    monkeypatch.setattr(harness, "run_point", fake_point)
+    bench.sweep({"a": sa.Local(1), "b": sa.Local(2)}, [512], ["sdpa-dense", "sparse_attn-numba"], timeout=60,
+                progress=False)
+    assert ran[0] == ("sparse_attn-numba", 256, None)
+    assert ran[1:] == [("sdpa-dense", 512, 60), ("sparse_attn-numba", 512, 60), ("sparse_attn-numba", 512, 60)]
+
+
+def test_a_failed_warm_up_makes_the_implementation_unavailable_with_its_error(monkeypatch):
+    monkeypatch.setattr(harness, "run_point", lambda point: {"status": "error", "error": "Segmentation fault",
+                                                             "wall_s": 1.0})
+    results = bench.sweep({"a": sa.Local(1)}, [512, 1024], ["sparse_attn-numba"], progress=False)
+    assert [p["status"] for p in results["points"]] == ["unavailable", "unavailable"]
+    assert results["points"][0]["error"] == "its warm-up before the sweep failed: Segmentation fault"
+    assert bench.own_lines_missing(results) == [
+        "a: sparse_attn-numba: unavailable at N=512: its warm-up before the sweep failed: Segmentation fault"]
+
+
+def test_own_lines_missing_names_each_pattern_without_a_measured_library_point():
+    def point(label, name, n, status):
+        return {"pattern_label": label, "implementation": name, "n": n, "status": status, "error": f"{status} why"}
+
+    points = [point("a", "sparse_attn-numba", 1024, "timeout"), point("a", "sparse_attn-numba", 2048, "skipped"),
+              point("a", "sdpa-dense", 1024, "ok"), point("b", "sparse_attn-numba", 1024, "ok")]
+    assert bench.own_lines_missing({"points": points}) == ["a: sparse_attn-numba: timeout at N=1024: timeout why"]
+    assert bench.own_lines_missing({"points": points[2:]}) == []
+    assert bench.own_lines_missing({"points": [point("a", "sdpa-dense", 1024, "timeout")]}) == []
+
+
 def test_tables_show_how_memory_and_time_grow():
     """Finding 16: the table says at a glance which memory is O(N) and which O(N^2)."""
     points = [{"pattern_label": "p", "implementation": name, "n": n, "status": "ok", "time_s": n ** t / 1e6,

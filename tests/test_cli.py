@@ -117,10 +117,11 @@ def test_long_expressions_are_parsed_not_looked_up_as_files(capsys):
     assert "BlockLayout of Local(0) | Local(1)" in stdout
 
 
-def grid_rows(stdout: str) -> list[str]:
+def grid_rows(stdout: str, head: int = 0) -> list[str]:
     """The rows of the text block grid that ``show`` printed (the lines after its 'head 0' header)."""
     lines = stdout.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip().startswith("head 0")) + 1
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith(f"head {head} (")
+                 or line.strip().startswith(f"head {head},")) + 1
     return [line.strip() for line in lines[start:] if set(line.strip()) <= set("#+.") and line.strip()]
 
 
@@ -145,6 +146,27 @@ def test_show_bins_the_text_grid_of_long_sequences_keeping_globals_lit(capsys):
     assert len(rows) == 64 and all(len(row) == 64 for row in rows)
     assert "." not in rows[0] and all(row[0] != "." for row in rows)
     assert rows[32][32] == "#" and rows[32][48] == "."
+
+
+def test_show_draws_the_head_asked_for_and_says_which_where_heads_differ(capsys):
+    """bigbird-itc (random blocks drawn per head) showed head 0 with no word that the other heads differ."""
+    code, stdout, err = call(capsys, "show", "bigbird-itc", "--num-heads", "12", "--head", "5")
+    assert code == 0, err
+    layout = sa.preset("bigbird-itc").layout(4096, heads=12)
+    expected = {h: ["".join(".+#"[state] for state in row) for row in layout.block_grid(0, h)] for h in (0, 5)}
+    assert grid_rows(stdout, head=5) == expected[5] != expected[0]
+    assert stdout.splitlines()[4:6] == ["  head 5 ('#' full, '+' partial, '.' skipped):", "  " + expected[5][0]]
+    assert "\n  head 5 of 12 drawn; the heads differ: --head 0..11 draws another\n" in stdout
+    code, stdout, err = call(capsys, "show", "bigbird-itc")                 # the preset declares no heads
+    assert code == 0, err
+    assert "\n  head 0 of 1 drawn; the pattern's heads differ: --head h draws head h (of --num-heads H)\n" in stdout
+    code, stdout, err = call(capsys, "show", "dilated-longformer", "--seq-len", "64k", "--head", "11")   # binned
+    assert code == 0, err
+    assert "\n  head 11, 16 x 16 blocks a cell" in stdout and "head 11 of 12 drawn" in stdout
+    assert len(grid_rows(stdout, head=11)) == 64
+    code, stdout, err = call(capsys, "show", "longformer()", "--num-heads", "4", "--head", "3")   # heads alike
+    assert code == 0, err
+    assert "  head 3 ('#' full" in stdout and "drawn" not in stdout
 
 
 def test_show_and_bench_read_pattern_text_alike(capsys, monkeypatch, tmp_path):
@@ -213,6 +235,34 @@ def test_bench_writes_json_markdown_and_plots(tmp_path):
     assert "| sdpa-dense |" in table and "| implementation | 256 | 512 |" in table
     for name in ("time.png", "memory.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_fails_when_the_library_measured_nothing(capsys, monkeypatch, tmp_path):
+    """The command exited 0 with the table and plots showing only SDPA when every numba point timed out: now it
+    writes what it measured and exits 1 naming why the library's line is empty."""
+    def timed_out_numba(point):
+        if point["implementation"] == "sparse_attn-numba" and point["timeout"] is not None:
+            return {"status": "timeout", "error": "did not finish within the 60 s limit", "wall_s": 60.0}
+        return fake_point(point)
+
+    monkeypatch.setattr(harness, "run_point", timed_out_numba)
+    code, out, err = call(capsys, "bench", "--quick", "--no-progress", "--out", str(tmp_path / "bench"))
+    assert code == 1 and "wrote" in out
+    assert ("sparse-attn: error: no measurement of this library's kernels for longformer: sparse_attn-numba: "
+            "timeout at N=1024: did not finish within the 60 s limit") in err
+
+
+@pytest.mark.slow
+def test_bench_quick_measures_the_library_from_a_cold_kernel_cache(tmp_path):
+    """A fresh install (an empty kernel cache) and points shorter than the cold compile: the sweep compiles first,
+    so every numba point is measured."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "sparse_attn", "bench", "--quick", "--lengths", "256", "512",
+                           "--backends", "sparse_attn-numba", "--timeout", "20", "--no-progress", "--out",
+                           str(tmp_path / "bench")], capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    points = json.loads((tmp_path / "bench" / "results.json").read_text())["points"]
+    assert [(p["n"], p["status"]) for p in points] == [(256, "ok"), (512, "ok")]
 
 
 def test_bench_refuses_to_overwrite_results_unless_asked(capsys, monkeypatch, tmp_path):
@@ -413,6 +463,11 @@ _PATTERNS_TOO_DEEP = "(" * 300 + "Local(1)" + ")" * 300
     (["show", "Local(4)", "--seq-len", "64", "--heads", "-1"], "expected head indices >= 0"),
     (["show", "Local(4)", "--seq-len", "64", "--heads", "4", "--num-heads", "2"], "needs head indices below"),
     (["show", "dilated-longformer", "--seq-len", "64", "--heads", "12"], "below the pattern's 12 heads"),
+    (["show", "dilated-longformer", "--seq-len", "64", "--head", "12"],
+     "--head 12 needs a head index below the pattern's 12 heads; pass --num-heads"),
+    (["show", "Local(4)", "--seq-len", "64", "--head", "0,1"],
+     "argument --head: expected one head index such as 0 or 3, got '0,1' (--heads takes several, for the figure)"),
+    (["show", "Local(4)", "--seq-len", "64", "--head", "-1"], "expected head indices >= 0"),
     (["show", "Local(4)", "--seq-len", "64", "--heads", ",".join(map(str, range(17))), "--out", "x.png"],
      "a figure draws at most 16 heads, got 17"),
     (["show", "missing.toml", "--seq-len", "64"], "no pattern file at missing.toml"),

@@ -28,7 +28,7 @@ for it.
 from .config import DEFAULT, IMPLEMENTATIONS, PATTERNS, QUICK, Settings, settings
 from .implementations import availability, unavailable_reasons
 from .report import markdown, tables, write
-from .runner import sweep
+from .runner import own_lines_missing, sweep
 
 __all__ = ["DEFAULT", "IMPLEMENTATIONS", "PATTERNS", "QUICK", "Settings", "settings", "availability",
-           "unavailable_reasons", "markdown", "tables", "write", "sweep"]
+           "unavailable_reasons", "markdown", "tables", "write", "own_lines_missing", "sweep"]

@@ -25,6 +25,11 @@ IMPLEMENTATIONS = {
 }
 
 PATTERN_FREE = ("sdpa-dense",)  # implementations that never read the pattern: one point per N serves every pattern
+# Implementations whose first call compiles kernels that it caches on disk: the sweep warms them up once, in a process
+# of their own without a time limit, so that no point's limit pays for the compile (a cold Numba compile takes minutes
+# on a loaded 2-core machine, more than a --quick point's 60 s).
+WARM_FIRST = ("sparse_attn-numba", "sparse_attn-triton")
+OWN = tuple(name for name in IMPLEMENTATIONS if name.startswith("sparse_attn-"))  # this library's lines
 
 
 @dataclasses.dataclass(frozen=True)

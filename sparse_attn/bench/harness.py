@@ -28,6 +28,7 @@ runs past ``timeout`` comes back with that status instead of a measurement.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -172,7 +173,8 @@ def measure(point: dict) -> dict:
     start = time.perf_counter()
     call(fn)
     first_s = time.perf_counter() - start
-    if first_s > point["timeout"] / 3:  # too slow to repeat: the warm-up call is the measurement
+    budget = (point["timeout"] or math.inf) / 3                             # None: no limit (the sweep's warm-up)
+    if first_s > budget:  # too slow to repeat: the warm-up call is the measurement
         times, timed = [first_s], "warm-up call (setup included in memory)"
     else:
         reset_peak()
@@ -181,7 +183,7 @@ def measure(point: dict) -> dict:
             start = time.perf_counter()
             call(fn)
             times.append(time.perf_counter() - start)
-            if sum(times) + first_s > point["timeout"] / 3:  # enough to know; leave time for the rest
+            if sum(times) + first_s > budget:  # enough to know; leave time for the rest
                 break
     peak = (torch.cuda.max_memory_allocated() if cuda else machine.status_bytes("VmHWM")) / 2**20
     return {"status": "ok", "time_s": statistics.median(times), "times_s": times, "first_call_s": first_s,

@@ -2,8 +2,10 @@
 
 A point that is out of memory or past its time limit stops its line: the larger N of the same
 (pattern, implementation) are recorded as skipped. An implementation that cannot run here is
-recorded as unavailable with its reason, decided once before any point runs. An implementation that
-never reads the pattern (``PATTERN_FREE``: dense SDPA) runs once per N; the other patterns' rows
+recorded as unavailable with its reason, decided once before any point runs. An implementation that compiles
+and caches its kernels (``WARM_FIRST``) runs one small point first, without a time limit: the points then load the
+cache and time the kernels, and a warm-up that fails makes the implementation unavailable with its error. An
+implementation that never reads the pattern (``PATTERN_FREE``: dense SDPA) runs once per N; the other patterns' rows
 repeat that point, with ``"same_as"`` naming the pattern it ran under.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from .. import machine
 from ..pattern import Pattern
 from . import harness
-from .config import IMPLEMENTATIONS, PATTERN_FREE
+from .config import IMPLEMENTATIONS, OWN, PATTERN_FREE, WARM_FIRST
 from .implementations import unavailable_reasons
 from .results import write_json
 
@@ -33,6 +35,9 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
     """
     if unavailable is None:
         unavailable = unavailable_reasons(patterns, implementations, device, backward)
+    shape = {"batch": batch, "heads": heads, "head_dim": head_dim, "block_size": block_size, "backward": backward,
+             "device": device, "memory_limit_gb": memory_limit_gb}
+    unavailable = {**unavailable, **_warm_up(patterns, implementations, unavailable, shape, progress)}
     results: dict[str, Any]
     results = {"command": command, "machine": machine.describe(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "load_average_start": machine.load_average(),
@@ -53,10 +58,8 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
         elif (name, n) in pattern_free:
             result = pattern_free[(name, n)]
         else:
-            result = harness.run_point({**point, "pattern": patterns[label].to_dict(), "batch": batch,
-                                        "heads": heads, "head_dim": head_dim, "block_size": block_size,
-                                        "backward": backward, "repeats": repeats, "timeout": timeout,
-                                        "device": device, "memory_limit_gb": memory_limit_gb})
+            result = harness.run_point({**point, **shape, "pattern": patterns[label].to_dict(), "repeats": repeats,
+                                        "timeout": timeout})
             if name in PATTERN_FREE:
                 pattern_free[(name, n)] = {**result, "same_as": label}
         if result["status"] in ("oom", "timeout"):
@@ -69,6 +72,48 @@ def sweep(patterns: dict[str, Pattern], lengths: Sequence[int], implementations:
     if out is not None:
         write_json(out / "results.json", results)
     return results
+
+
+def own_lines_missing(results: dict) -> list[str]:
+    """For each pattern of the sweep where this library's implementations ran no point (every one timed out,
+    crashed or was unavailable), why, one line per implementation; [] when each pattern has at least one
+    measured point of the library, or when the sweep asked for none of its implementations.
+
+    >>> own_lines_missing({"points": [{"pattern_label": "longformer", "implementation": "sparse_attn-numba", "n": 1024,
+    ...                                "status": "timeout", "error": "did not finish within the 60 s limit"}]})
+    ['longformer: sparse_attn-numba: timeout at N=1024: did not finish within the 60 s limit']
+    """
+    points = [p for p in results["points"] if p["implementation"] in OWN]
+    missing = []
+    for label in dict.fromkeys(p["pattern_label"] for p in points):
+        own = [p for p in points if p["pattern_label"] == label]
+        if not any(p["status"] == "ok" for p in own):
+            first = {p["implementation"]: p for p in reversed(own) if p["status"] != "skipped"}
+            missing += [f"{label}: {name}: {p['status']} at N={p['n']}: {p['error']}" for name, p in first.items()]
+    return missing
+
+
+def _warm_up(patterns: dict[str, Pattern], implementations: Sequence[str], unavailable: dict[tuple[str, str], str],
+             shape: dict, progress: bool) -> dict[tuple[str, str], str]:
+    """Run each available implementation of ``WARM_FIRST`` once at N = 256 under the first pattern it runs, with no
+    time limit, so that its kernels compile and cache before the points; (pattern label, implementation) -> why,
+    for each one whose warm-up failed."""
+    failed = {}
+    for name in implementations:
+        labels = [label for label in patterns if (label, name) not in unavailable]
+        if name not in WARM_FIRST or not labels:
+            continue
+        if progress:
+            print(f"{name}: compiling its kernels before the sweep, once (cached for later runs) ...", file=sys.stderr,
+                  flush=True)
+        result = harness.run_point({"pattern_label": labels[0], "implementation": name, "n": 256, **shape,
+                                    "pattern": patterns[labels[0]].to_dict(), "repeats": 1, "timeout": None})
+        if result["status"] != "ok":
+            why = f"its warm-up before the sweep failed: {result['error']}"
+            failed.update({(label, name): why for label in labels})
+        elif progress:
+            print(f"{name}: ready ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return failed
 
 
 def _progress(planned: list[tuple[str, str, int]], show: bool):
