@@ -10,21 +10,19 @@ torch.Size([1, 2, 100, 16])
 """
 from __future__ import annotations
 
-import ctypes
-import dataclasses
 import math
 import numbers
+import operator
 
 import numpy as np
 import torch
 from einops import rearrange
 
 from . import backends
-from ._host import host_only
 from .checks import check_bool
 from .compiler import build_layout, check_call_masks
 from .layout import BlockLayout, KernelIndex
-from .pattern import Pattern
+from .pattern import Pattern, pattern_key
 from .score_mods import add_sink, check_mods
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -104,29 +102,33 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                key_padding_mask, global_mask, documents) -> BlockLayout:
     """The layout to run, on ``device``.
 
-    Under torch.compile the layout stays out of the graph. A prebuilt layout on ``device`` and a Pattern without
-    call-time data at static sizes are found (built, cached, moved) while Dynamo traces, and the graph reads
-    their tensors as constants: no graph break, so ``fullgraph=True`` works. Call-time masks and documents are
-    data, and dynamic sizes have no value while tracing: their layout is built on the host when the graph
-    runs, a graph break (an error under ``fullgraph=True``)."""
+    Under torch.compile the layout stays out of the graph (``sparse_attn._tracing`` holds the host code). A prebuilt
+    layout, and a Pattern without call-time data at static sizes, are found (built, cached, moved) while Dynamo
+    traces, and the graph reads their tensors as constants: no graph break, so ``fullgraph=True`` works. The pattern
+    crosses to the host as its ``pattern_key``, so Dynamo guards on its values, not its identity: an equal pattern
+    made anew every step, outside the compiled function or inside it, runs the same graph. Call-time masks and
+    documents are data, and dynamic sizes have no value while tracing: their layout is built on the host when the
+    graph runs, a graph break (an error under ``fullgraph=True`` that says how to keep the graph whole)."""
     if not torch.compiler.is_compiling():
         return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
                               documents).to(device)
+    from . import _tracing  # only while Dynamo traces, which runs the import itself
+
+    if isinstance(pattern, Pattern) and not (key_padding_mask is None and global_mask is None and documents is None):
+        return _tracing.layout_of_call_data(device, pattern, batch, heads, n_q, n_k, block_size, causal,
+                                            key_padding_mask, global_mask, documents)  # their checks read values
     check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
     if isinstance(pattern, BlockLayout):
         if pattern.device == device:
             return pattern                             # its tensors are the graph's inputs
-        moved = _moved_while_tracing(device, *pattern.index)
+        moved = _tracing.moved_index(device, *pattern.index)
         return BlockLayout.trusted(pattern=pattern.pattern, n_q=pattern.n_q, n_k=pattern.n_k, heads=pattern.heads,
                                    block_size=pattern.block_size, causal=pattern.causal,
                                    **dict(zip(KernelIndex._fields, moved)))
-    index = None
-    no_call_data = key_padding_mask is None and global_mask is None and documents is None
-    if no_call_data and _static(n_q) and _static(n_k) and _static(heads):
-        index = _index_while_tracing(device, id(pattern), int(heads), int(n_q), int(n_k), block_size, causal)
-    if index is None:
-        return _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask,
-                            global_mask, documents)
+    if not (_static(n_q) and _static(n_k) and _static(heads)):
+        return _tracing.layout_of_dynamic_sizes(device, pattern, heads, n_q, n_k, block_size, causal)
+    index = _tracing.pattern_index(device, _constants(pattern_key(pattern)), int(heads), int(n_q), int(n_k),
+                                   block_size, causal)
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
 
@@ -140,44 +142,13 @@ def _static(size) -> bool:
     return has_static_value(size)
 
 
-def _index_while_tracing(device, pattern_id: int, heads, n_q, n_k, block_size, causal) -> tuple | None:
-    """``layout.index`` on ``device`` of the pattern's layout for the call, as Dynamo's constants; None for a
-    pattern built inside the compiled function (Dynamo hands over an object whose constructor has not run).
-
-    Dynamo hands such a function Python constants and tensors only (torch 2.11 refuses a Pattern, a frozen
-    dataclass, there), so the pattern comes as ``id(pattern)``, which Dynamo guards on: the object is alive,
-    held by the call Dynamo is tracing, while this runs. No batch: without call-time data the layout has none
-    (so a dynamic batch size keeps the graph whole)."""
-    pattern = ctypes.cast(pattern_id, ctypes.py_object).value
-    if not _constructed(pattern):
-        return None
-    return tuple(build_layout(pattern, n_q, n_k, heads, block_size, causal=causal).to(device).index)
-
-
-def _moved_while_tracing(device, *index: torch.Tensor) -> tuple:
-    """A prebuilt layout's tensors copied to ``device``, as Dynamo's constants. Dynamo hands this function the
-    tensors' values and other arguments as Python constants: it takes no BlockLayout itself (torch 2.11's Dynamo
-    refuses one there)."""
-    return tuple(tensor.to(device) for tensor in index)
-
-
-# torch.compiler.assume_constant_result's mark, set without importing Dynamo (a second and 100+ MB): Dynamo runs
-# these functions while tracing and keeps their results as constants of the graph.
-_index_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # a mark on a function object
-_moved_while_tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _constructed(pattern) -> bool:
-    """Whether ``pattern`` is a Pattern whose constructor ran (not a stand-in Dynamo made while tracing one)."""
-    return (isinstance(pattern, Pattern) and dataclasses.is_dataclass(pattern)
-            and all(hasattr(pattern, field.name) for field in dataclasses.fields(pattern)))
-
-
-@host_only  # call-time data or dynamic sizes: a graph break
-def _host_layout(device, pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
-                 documents) -> BlockLayout:
-    return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
-                          documents).to(device)
+def _constants(key):
+    """A ``pattern_key`` with every int a constant. Dynamo traces an int read from a pattern passed as an argument
+    as a symbol once its value has changed between calls; ``operator.index`` makes it the int it is (and guards on
+    it), so each pattern compiles once and its key reaches the host as values."""
+    if isinstance(key, tuple):
+        return tuple(_constants(part) for part in key)
+    return operator.index(key) if isinstance(key, int) else key
 
 
 def check_pattern_arg(pattern, batch: int, heads: int, n_q: int, n_k: int, causal, key_padding_mask,

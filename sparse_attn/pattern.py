@@ -512,6 +512,7 @@ class Blocks(Pattern):
         grid = _bool_grid(blocks)
         bits = np.ascontiguousarray(grid).tobytes()
         object.__setattr__(self, "_bits", bits)
+        object.__setattr__(self, "_shape", tuple(int(size) for size in grid.shape))
         object.__setattr__(self, "blocks", np.frombuffer(bits, dtype=bool).reshape(grid.shape))  # never writeable
         _set_int_value(self, "block_size", block_size, 1)
 
@@ -525,8 +526,9 @@ class Blocks(Pattern):
         return Blocks, (self.blocks, self.block_size)
 
     def _key(self) -> tuple:
-        # _bits is set in __post_init__, outside the dataclass fields (not in repr, to_dict or ==)
-        return self.blocks.shape, self.block_size, self._bits  # type: ignore[attr-defined]
+        # _shape and _bits are set in __init__, outside the dataclass fields (not in repr, to_dict or ==): the
+        # grid as builtins, so that reading the key (pattern_key, traced by torch.compile) touches no numpy array
+        return self._shape, self.block_size, self._bits  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         grid = self.blocks
@@ -539,12 +541,13 @@ class Blocks(Pattern):
 
     @property
     def head_dependent(self) -> bool:
-        return self.blocks.ndim == 3
+        return len(self._shape) == 3  # type: ignore[attr-defined]
 
     def check_heads(self, heads):
         super().check_heads(heads)
-        if self.blocks.ndim == 3 and self.blocks.shape[0] != heads:
-            raise ValueError(f"Blocks has a grid for {self.blocks.shape[0]} heads, shape {tuple(self.blocks.shape)}, "
+        shape = self._shape
+        if len(shape) == 3 and shape[0] != heads:
+            raise ValueError(f"Blocks has a grid for {shape[0]} heads, shape {shape}, "
                              f"but heads={heads}; give one (n_qb, n_kb) grid per query head, or one 2-D grid that "
                              f"every head shares")
 
@@ -729,3 +732,39 @@ class PerHead(Pattern):
         if len(self.patterns) != heads:
             raise ValueError(f"PerHead has {len(self.patterns)} patterns but heads={heads}; "
                              f"give one pattern per query head")
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys
+# ------------------------------------------------------------------------------------------------
+def pattern_key(pattern: Pattern) -> tuple:
+    """``pattern`` as a value of builtins: its kind and fields, members as their keys, a ``Blocks`` grid as its
+    shape and bytes. Equal patterns have equal keys, and ``pattern_from_key`` gives back an equal pattern.
+
+    >>> pattern_key(Local(4) | Global(first=1))
+    ('union', (('local', (4, 4, 1)), ('global', ((), 1, 0))))
+    >>> pattern_from_key(pattern_key(Local(4) | Global(first=1))) == Local(4) | Global(first=1)
+    True
+
+    What ``sparse_attention`` hands torch.compile's host code instead of the pattern: reading the key reads
+    only the pattern's values (Dynamo guards on them, never on the object's identity) and touches no numpy.
+    """
+    if pattern.children:
+        return pattern.kind, tuple(pattern_key(member) for member in pattern.children)
+    if isinstance(pattern, Blocks):
+        return pattern.kind, pattern._key()
+    return pattern.kind, tuple(getattr(pattern, f.name) for f in dataclasses.fields(pattern))
+
+
+def pattern_from_key(key: tuple) -> Pattern:
+    """The pattern of a ``pattern_key``."""
+    kind, values = key
+    cls = KINDS[kind]
+    if cls is Blocks:
+        shape, block_size, bits = values
+        return Blocks(np.frombuffer(bits, dtype=bool).reshape(shape), block_size)
+    if cls is PerHead:
+        return PerHead([pattern_from_key(member) for member in values])
+    if cls in (Union, Intersection, Complement):
+        return cls(*map(pattern_from_key, values))
+    return cls(*values)

@@ -3,17 +3,24 @@ Llama, forward and backward, with and without fullgraph=True, each against the s
 
 q, k, v come as the projections hand them over, (B, N, H, D) storage seen as (B, H, N, D): Inductor checks
 that the kernels' outputs have the strides their fake kernels promise. A Pattern without call-time data is
-built while Dynamo traces (one graph, fullgraph=True works); call-time masks are data, so their layout is
-built on the host at run time, a graph break (and under fullgraph=True, Dynamo's error). Inductor's graph
-caches are off here, so a graph compiled by an older checkout is never what runs.
+built while Dynamo traces (one graph, fullgraph=True works), keyed by its value: an equal pattern made anew
+every call, outside the compiled function or inside it, runs the same graph. Call-time masks are data, so
+their layout is built on the host at run time, a graph break (and under fullgraph=True, an error that says
+how to keep the graph whole). Inductor's graph caches are off here, so a graph compiled by an older checkout
+is never what runs; tests that count graphs without checking Inductor's code compile with Dynamo alone.
 """
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sparse_attn as sa
 from sparse_attn import backends
+from sparse_attn.compiler import LAYOUT_CACHE
 from sparse_attn.nn import SparseSelfAttention
+from tests.test_pattern_kinds import EXAMPLES, HEADS, N
 
 BACKEND = "numba" if backends.availability("numba")[0] else "reference"
 PATTERN = sa.Local(4) | sa.Global(first=1)         # built outside the compiled functions, as the docs say
@@ -28,10 +35,15 @@ def fresh_compiles():
     torch._dynamo.reset()
 
 
-def inductor(fn, fullgraph: bool):
-    """``fn`` compiled by Inductor, and the counter of the graphs Dynamo hands it."""
-    counter = CompileCounterWithBackend("inductor")
+def inductor(fn, fullgraph: bool, backend: str = "inductor"):
+    """``fn`` compiled by Inductor (or by Dynamo alone with ``backend="eager"``), and the counter of the graphs
+    Dynamo hands it."""
+    counter = CompileCounterWithBackend(backend)
     return torch.compile(fn, backend=counter, fullgraph=fullgraph), counter
+
+
+def attend_with(q, k, v, pattern):
+    return sa.sparse_attention(q, k, v, pattern, backend=BACKEND)
 
 
 def projected_qkv(batch=2, q_heads=2, kv_heads=1, n=40, head_dim=8, device="cpu"):
@@ -76,8 +88,27 @@ def test_call_time_masks_break_the_graph_cleanly():
     for actual, expected in zip(outputs_and_grads(compiled, q, k, v, padding),
                                 outputs_and_grads(attend, q, k, v, padding)):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable") as error:
         inductor(attend, fullgraph=True)[0](q, k, v, padding)
+    assert "marked as skipped" not in str(error.value)
+
+
+@pytest.mark.parametrize("data", ["key_padding_mask", "global_mask", "documents"])
+def test_call_time_data_under_fullgraph_is_an_error_that_says_what_to_do(data):
+    """Under fullgraph=True the graph break of call-time data is an error that names them and the fix (build the
+    layout outside and pass it), not Dynamo's "function marked as skipped ... file an issue to PyTorch"."""
+    q, k, v = projected_qkv()
+    values = {"key_padding_mask": torch.arange(40) >= torch.tensor([[40], [29]]),
+              "global_mask": torch.arange(40).expand(2, 40) == 0,
+              "documents": (torch.arange(40) >= 17).long().expand(2, 40)}
+    compiled, _ = inductor(lambda q, k, v, x: sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND, **{data: x}),
+                           fullgraph=True, backend="eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"key_padding_mask, global_mask and documents decide a "
+                                                            r"Pattern's layout by their values") as error:
+        compiled(q, k, v, values[data])
+    assert ("build the layout outside the compiled function, layout = pattern.layout(n, heads=h, key_padding_mask=..., "
+            "global_mask=..., documents=...), and pass the layout" in str(error.value))
+    assert "marked as skipped" not in str(error.value)
 
 
 def test_dynamic_lengths_build_the_layout_on_the_host():
@@ -89,6 +120,11 @@ def test_dynamic_lengths_build_the_layout_on_the_host():
         for actual, expected in zip(compiled(q, k, v), sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND,
                                                                            return_lse=True)):
             torch.testing.assert_close(actual, expected, **TOLERANCE)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"lengths or the head count are dynamic .* compile with "
+                                                            r"dynamic=False \(a graph per length\), or build the "
+                                                            r"layout outside the compiled function"):
+        torch.compile(lambda q, k, v: sa.sparse_attention(q, k, v, PATTERN, backend=BACKEND), backend="eager",
+                      dynamic=True, fullgraph=True)(*projected_qkv(n=20))
 
 
 def test_a_dynamic_batch_keeps_the_graph_whole():
@@ -107,16 +143,71 @@ def test_a_dynamic_batch_keeps_the_graph_whole():
     assert graphs.frame_count == 1
 
 
-def test_pattern_made_inside_the_compiled_function_breaks_the_graph_cleanly():
-    """Dynamo cannot hand a pattern built while tracing to the layout build: a graph break, as the docs say."""
+def test_a_pattern_made_inside_the_compiled_function_is_one_graph_with_fullgraph():
+    """A pattern made while Dynamo traces reaches the layout build as its value: one graph, forward and backward."""
     q, k, v = projected_qkv(n=20)
 
     def attend(q, k, v):
         return sa.sparse_attention(q, k, v, sa.Local(2) | sa.Causal(), backend=BACKEND, return_lse=True)
 
-    compiled, _ = inductor(attend, fullgraph=False)
+    compiled, graphs = inductor(attend, fullgraph=True)
     for actual, expected in zip(outputs_and_grads(compiled, q, k, v), outputs_and_grads(attend, q, k, v)):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
+    assert graphs.frame_count == 1
+
+
+def test_an_equal_pattern_made_every_call_runs_one_graph():
+    """A config-driven loop makes an equal pattern every step: one graph for all of them, past Dynamo's recompile
+    limit (8) under fullgraph=True, where a pattern keyed by its identity compiled every step and failed on the 9th."""
+    q, k, v = projected_qkv()
+    compiled, graphs = inductor(attend_with, fullgraph=True, backend="eager")
+    expected = attend_with(q, k, v, PATTERN)
+    for _ in range(12):
+        torch.testing.assert_close(compiled(q, k, v, sa.Local(4) | sa.Global(first=1)), expected)
+    assert graphs.frame_count == 1
+
+
+def test_each_pattern_value_compiles_once():
+    """A different pattern compiles its own graph, and one seen before runs its graph again: Dynamo guards on the
+    pattern's values (an int read from an argument, a symbol to Dynamo once its value changed, reaches the layout's
+    key as its value)."""
+    q, k, v = projected_qkv()
+    compiled, graphs = inductor(attend_with, fullgraph=True, backend="eager")
+    for window in (4, 5, 4, 5, 9, 4):
+        pattern = sa.Local(window) | sa.Global(tokens=(window,))
+        torch.testing.assert_close(compiled(q, k, v, pattern), attend_with(q, k, v, pattern))
+    assert graphs.frame_count == 3
+
+
+def test_a_dropped_pattern_is_freed_and_one_at_its_address_gets_its_own_layout():
+    """The compiled function keeps no pattern alive, and a pattern that later takes a dropped one's address (which
+    a guard on identity would take for it) runs its own layout, in a graph of its own."""
+    q, k, v = projected_qkv()
+    compiled, graphs = inductor(attend_with, fullgraph=True, backend="eager")
+    pattern = sa.Local(4)
+    compiled(q, k, v, pattern)
+    address, alive = id(pattern), weakref.ref(pattern)
+    del pattern
+    gc.collect()
+    assert alive() is None
+    LAYOUT_CACHE.clear()
+    others = [sa.Local(1)]                        # kept alive, so that each one takes a new address
+    while id(others[-1]) != address and len(others) < 100_000:
+        others.append(sa.Local(1))
+    assert id(others[-1]) == address, "no pattern took the dropped one's address"
+    torch.testing.assert_close(compiled(q, k, v, others[-1]), attend_with(q, k, v, sa.Local(1)))
+    assert graphs.frame_count == 2
+
+
+@pytest.mark.parametrize("kind", list(EXAMPLES))
+def test_every_kind_made_anew_every_call_runs_one_graph(kind):
+    """Every kind reaches the layout build as its value (a Blocks grid as bytes), under fullgraph=True."""
+    q, k, v = projected_qkv(batch=1, q_heads=HEADS, n=N)
+    compiled, graphs = inductor(attend_with, fullgraph=True, backend="eager")
+    for _ in range(3):
+        pattern = sa.Pattern.from_dict(EXAMPLES[kind].to_dict())                # equal, never the same object
+        torch.testing.assert_close(compiled(q, k, v, pattern), attend_with(q, k, v, EXAMPLES[kind]))
+    assert graphs.frame_count == 1
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])
