@@ -351,8 +351,11 @@ def _shipped_rows(program: RankProgram, q, keys, values, module, scale: float, m
 
 def _run(module, q, keys, values, layout: BlockLayout, calls: tuple[AlibiCall, ...], scale: float, mods: ScoreMods):
     """The backend over ``layout``; with ALiBi over ``calls`` instead (rows and keys at consecutive positions),
-    the calls of the same rows merged by log-sum-exp, rows no call covers 0 with lse -inf."""
-    if mods.alibi_slopes is None:
+    the calls of the same rows merged by log-sum-exp, rows no call covers 0 with lse -inf.
+
+    The result always depends on q, keys and values (a layout without a block, which makes no call, runs as
+    it is: 0, lse -inf, no distance to correct), so every rank's backward reaches the same exchanges."""
+    if mods.alibi_slopes is None or not calls:
         return module.attention(q, keys, values, layout, scale, mods)
     slopes = mods.alibi_slopes[:, :, None]                                             # (Bs, Hq, 1)
     by_rows: dict[tuple[int, int], list] = {}

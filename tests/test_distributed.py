@@ -320,10 +320,10 @@ def warm_up() -> None:
             sa.sparse_attention(q, q, q, sa.Local(1), backend=backend).sum().backward()
 
 
-def worker(rank: int, port: int, folder: str) -> None:
-    """One rank of the spawn: for each world size, every check on ranks 0 .. world - 1, each in a new process
-    group of those ranks whose collectives time out after COLLECTIVE_SECONDS, then a barrier of all ranks; one
-    JSON line per world size, check and rank."""
+def worker(rank: int, port: int, folder: str, checks) -> None:
+    """One rank of the spawn: for each world size, every check of ``checks()`` on ranks 0 .. world - 1, each in a
+    new process group of those ranks whose collectives time out after COLLECTIVE_SECONDS, then a barrier of all
+    ranks; one JSON line per world size, check and rank."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["NUMBA_NUM_THREADS"] = "1"                 # one thread per rank (numba is not imported yet):
     torch.set_num_threads(1)                              # the ranks share the machine's cores
@@ -331,7 +331,7 @@ def worker(rank: int, port: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(WORLDS),
                             timeout=timedelta(seconds=SPAWN_SECONDS))
     with open(Path(folder) / f"rank{rank}.jsonl", "w") as log:
-        for world, name, check in all_checks():
+        for world, name, check in checks():
             group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=COLLECTIVE_SECONDS))
             if rank < world:
                 began = time.perf_counter()
@@ -353,10 +353,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(folder: Path) -> dict:
-    """Run every check: {(world, check): [each rank's error, None if it passed]}."""
+def spawn(folder: Path, checks=all_checks) -> dict:
+    """Run every check of ``checks()`` (a module-level function: the ranks import it), like ``all_checks``:
+    {(world, check): [each rank's error, None if it passed]}."""
     warm_up()
-    context = mp.start_processes(worker, args=(free_port(), str(folder)), nprocs=max(WORLDS), join=False,
+    context = mp.start_processes(worker, args=(free_port(), str(folder), checks), nprocs=max(WORLDS), join=False,
                                  start_method="spawn")
     deadline, crash = time.monotonic() + SPAWN_SECONDS, None
     try:
@@ -372,7 +373,7 @@ def spawn(folder: Path) -> dict:
                 process.kill()
                 process.join()
     outcomes = {(world, name): [f"rank {r} did not finish {name!r}: {crash}" for r in range(world)]
-                for world, name, _ in all_checks()}
+                for world, name, _ in checks()}
     for r in range(max(WORLDS)):
         path = folder / f"rank{r}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else ():
