@@ -349,6 +349,54 @@ class SparseKVCache:
         self._keys, self._values, self._slot_positions = keys, values, slot_positions
         self._ring_head, self._ring_count = 0, len(ring)
 
+    # --- the batch ---------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int | None:
+        """Examples held: the batch of the first update or of ``set_starts``; None before either."""
+        if self._keys is not None:
+            return self._keys.shape[0]
+        return None if self._starts is None else len(self._starts)
+
+    def select_examples(self, index) -> None:
+        """Keep the examples ``index`` of the batch, in that order: example i becomes what example ``index[i]`` was,
+        its keys, values and start. Beam search reorders its beams so after every step, and expands a batch into
+        beams with ``index = [0, 0, 1, 1, ...]``.
+
+        >>> import torch, sparse_attn as sa
+        >>> cache = sa.SparseKVCache(sa.Local(3, 0) | sa.Sink(first=1), backend="reference")
+        >>> k = torch.arange(2.0).reshape(2, 1, 1, 1).expand(2, 1, 6, 4)   # example b's keys are all b
+        >>> _ = cache.update(k, k)
+        >>> cache.select_examples([1, 1, 0])                   # example 1 twice, then example 0
+        >>> x = torch.zeros(3, 1, 1, 4)
+        >>> keys, values, positions = cache.update(x, x)
+        >>> keys[:, 0, 0, 0].tolist(), cache.batch              # the sink of each new example
+        ([1.0, 1.0, 0.0], 3)
+
+        ``index``: (B',) ints in 0 .. B - 1, a tensor on any device (read on the host) or a sequence; an example
+        may be kept more than once or not at all. The examples share their positions, so every held key stays
+        where it is, except the sinks and global tokens of starts (``set_starts``) that no kept example has: they
+        join the window's ring and leave with it. Raises before changing anything; before the first update and
+        ``set_starts`` there is nothing to select.
+        """
+        batch = self.batch
+        if batch is None:
+            return
+        rows = index.cpu().numpy() if isinstance(index, torch.Tensor) else np.asarray(index)
+        if rows.dtype.kind not in "iu" or rows.ndim != 1 or len(rows) == 0 or (rows < 0).any() or (rows >= batch).any():
+            raise ValueError(f"index must be ints in 0 .. {batch - 1} of shape (n,) with n >= 1 (the examples of this "
+                             f"cache's batch of {batch} to keep, in order), got {index!r}; pass indices into the batch "
+                             f"the cache holds")
+        rows = rows.astype(np.int64)
+        if self._keys is not None:
+            selected = torch.from_numpy(rows).to(self._keys.device)
+            self._keys, self._values = self._keys.index_select(0, selected), self._values.index_select(0, selected)
+        if self._starts is not None:
+            starts = self._starts[rows]
+            fixed = np.unique(self._fixed_of(starts))
+            if self._keys is not None and not np.array_equal(fixed, self._fixed):
+                self._move_fixed(fixed)
+            self._fixed, self._starts = fixed, starts
+
     # --- attention -----------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                return_lse: bool = False, softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,

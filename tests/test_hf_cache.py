@@ -99,6 +99,7 @@ def test_per_layer_errors():
 from transformers import DynamicCache  # noqa: E402
 
 from sparse_attn.integrations.transformers import CACHE_KEYWORD, SparseCache  # noqa: E402
+from sparse_attn.kv_cache import SparseKVCache  # noqa: E402
 
 STREAMING = sa.Local(5, 0) | sa.Sink(first=2)                       # 2 sinks and a window of 6: eviction early
 
@@ -178,10 +179,6 @@ def test_sparse_cache_errors():
     model.config.sparse_attn_pattern = sa.Local(7, 0)
     with pytest.raises(ValueError, match=r"runs Local\(7, 0\) but its SparseCache layer evicts by"):
         _generate(model, ids, mask, cache)
-    del model.config.sparse_attn_pattern
-    with pytest.raises(ValueError, match="SparseCache does not support beam search"):
-        model.generate(ids, attention_mask=mask, **{CACHE_KEYWORD: SparseCache(model)}, max_new_tokens=12, num_beams=2,
-                       do_sample=False)
 
 
 def test_a_cache_call_that_raises_changes_nothing():
@@ -201,13 +198,59 @@ def test_a_cache_call_that_raises_changes_nothing():
     before = state()
     refused = [(lambda: cache.update(x[..., :4], x[..., :4], 0), "does not continue this cache"),
                (lambda: cache.crop(2), "SparseCache cannot crop"),
-               (lambda: cache.batch_select_indices(torch.tensor([0])), "SparseCache does not support beam search"),
-               (lambda: cache.batch_repeat_interleave(2), "SparseCache does not support beam search"),
-               (lambda: cache.reorder_cache(torch.tensor([0])), "SparseCache does not support beam search")]
+               (lambda: cache.activate_past_recording(), "SparseCache cannot crop"),
+               (lambda: cache.batch_select_indices(torch.tensor([1])), r"index must be ints in 0 \.\. 0"),
+               (lambda: cache.batch_repeat_interleave(0), r"repeats must be an int >= 1 .* got 0"),
+               (lambda: cache.reorder_cache(torch.tensor([0.0])), r"index must be ints .* got tensor\(\[0\.\]\)")]
     for call, message in refused:
         with pytest.raises(ValueError, match=message):
             call()
         assert state() == before
+
+
+def test_beam_search_equals_a_full_dynamic_cache(monkeypatch):
+    """Beam search expands the left-padded batch into beams before the prefill and reorders the beams after every
+    step: each beam's held keys follow it (SparseCache used to refuse the first reorder, after the prefill had
+    filled it with the expanded batch, so a greedy retry with the same cache failed)."""
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
+    ids, mask = _batch(n=12)
+    reorders = []
+    select = SparseKVCache.select_examples
+    monkeypatch.setattr(SparseKVCache, "select_examples", lambda kv, index: reorders.append(index) or select(kv, index))
+
+    def beams(cache):
+        return model.generate(ids, attention_mask=mask, **{CACHE_KEYWORD: cache}, max_new_tokens=10, min_new_tokens=10,
+                              num_beams=2, num_return_sequences=2, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True)
+
+    cache = SparseCache(model)
+    ours, theirs = beams(cache), beams(DynamicCache())
+    torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
+    torch.testing.assert_close(ours.sequences_scores, theirs.sequences_scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(ours.scores), torch.stack(theirs.scores), atol=1e-5, rtol=1e-5)
+    assert any(not torch.equal(index, torch.arange(6)) for index in reorders)         # beams did change places
+    assert all(len(layer.kv.positions) == 3 * 2 + 6 for layer in cache.layers)       # sinks of 3 starts + window
+    assert cache.layers[0].kv.starts.tolist() == [0, 0, 7, 7, 3, 3]
+    cache.reset()                                                     # the same cache, greedy, from the start
+    torch.testing.assert_close(_generate(model, ids, mask, cache, tokens=8)[0],
+                               _generate(model, ids, mask, DynamicCache(), tokens=8)[0], rtol=0, atol=0)
+
+
+def test_a_refused_generate_leaves_the_cache_for_a_greedy_retry():
+    """Prompt lookup (assisted generation) crops, which SparseCache cannot: refused before the prefill, so the same
+    cache then generates greedily what a full DynamicCache generates."""
+    model = _llama(register(STREAMING, name="sparse_attn_test_streaming", backend=CPU_BACKEND))
+    ids, mask = _batch(n=12)
+    ids, mask = ids[1:2], mask[1:2]                                  # assisted generation takes one sequence
+    cache = SparseCache(model)
+    with pytest.raises(ValueError, match="SparseCache cannot crop"):
+        model.generate(ids, attention_mask=mask, **{CACHE_KEYWORD: cache}, prompt_lookup_num_tokens=3,
+                       max_new_tokens=8, do_sample=False)
+    assert cache.get_seq_length() == 0 and all(layer.kv is None for layer in cache.layers)
+    tokens, scores = _generate(model, ids, mask, cache, tokens=12)
+    full_tokens, full_scores = _generate(model, ids, mask, DynamicCache(), tokens=12)
+    torch.testing.assert_close(tokens, full_tokens, rtol=0, atol=0)
+    torch.testing.assert_close(scores, full_scores, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow  # generation

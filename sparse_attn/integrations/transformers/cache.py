@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import GenerationMixin
@@ -32,6 +33,9 @@ from .registry import model_pattern, registration
 CACHE_KEYWORD = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters \
     else "past_key_values"
 HELD_ATTRIBUTE = "sparse_attn_held"  # the attribute of the keys a SparseCacheLayer returns: their Held
+_CANNOT_CROP = ("SparseCache cannot crop (assisted generation, prompt lookup and DoLa take back tokens): the keys the "
+                "taken-back tokens let it drop are gone; generate without them, or use a DynamicCache with the same "
+                "attn_implementation")
 
 
 class Held(NamedTuple):
@@ -123,13 +127,30 @@ class SparseCacheLayer(CacheLayerMixin):
         self.kv, self.is_initialized = None, False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ValueError("SparseCache does not support beam search (num_beams > 1) or other reordering of its batch; "
-                         "generate greedily or by sampling, or use a DynamicCache for beam search")
+        """Beam search, after each step: example i continues what example ``beam_idx[i]`` held."""
+        if self.kv is not None:
+            self.kv.select_examples(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the examples ``indices`` (ints), in that order."""
+        if self.kv is not None:
+            self.kv.select_examples(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each example ``repeats`` times in a row: ``[a, b]`` -> ``[a, a, b, b]`` for 2."""
+        if type(repeats) is not int or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1 (the copies of each example, as num_beams), got "
+                             f"{repeats!r}; pass how many times each example is to be repeated")
+        if self.kv is not None and self.kv.batch is not None:
+            self.kv.select_examples(np.arange(self.kv.batch).repeat(repeats))
 
     def crop(self, *args, **kwargs) -> None:
-        raise ValueError("SparseCache cannot crop (assisted generation, prompt lookup and DoLa take back tokens): "
-                         "the keys the taken-back tokens let it drop are gone; generate without them, or use a "
-                         "DynamicCache with the same attn_implementation")
+        raise ValueError(_CANNOT_CROP)
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """transformers asks for this before the prefill of assisted generation (and prompt lookup), which then
+        crops: refused here, before the cache holds anything, rather than at the first crop."""
+        raise ValueError(_CANNOT_CROP)
 
 
 class SparseCache(Cache):
@@ -141,7 +162,9 @@ class SparseCache(Cache):
     ``model`` (or its config) runs a name registered with ``register`` as its ``attn_implementation``;
     layer ``i`` evicts by the pattern the attention of layer ``i`` runs (``model_pattern``), so generation
     equals generation with a full ``DynamicCache`` and the same patterns, token for token. A layer whose
-    pattern reaches every past key (``Dense``, ``Stride``, ...) keeps everything (SparseKVCache says so).
+    pattern reaches every past key (``Dense``, ``Stride``, ...) keeps everything (SparseKVCache says so). Beam
+    search works (each beam's held keys follow it); taking tokens back (``crop``: assisted generation, prompt
+    lookup) is refused.
     """
 
     def __init__(self, model_or_config):
@@ -161,9 +184,3 @@ class SparseCache(Cache):
     def nbytes(self) -> int:
         """Bytes of the keys and values held by all layers."""
         return sum(layer.nbytes for layer in self.layers)  # type: ignore[union-attr]  # SparseCacheLayers (__init__)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.reorder_cache(None)  # type: ignore[arg-type]  # every layer refuses any reordering
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(None)  # type: ignore[arg-type]  # every layer refuses any reordering
