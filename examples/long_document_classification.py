@@ -60,7 +60,9 @@ def train_and_evaluate(name: str, pattern: sa.Pattern, args) -> dict:
                         intermediate_size=2 * args.hidden, max_position_embeddings=512, num_labels=3,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=PAD)
     model = AutoModelForSequenceClassification.from_config(config)
-    model = to_long_model(model, args.seq_len, pattern)
+    # The dense run is stretched like the others, its pattern Dense() (with none, to_long_model would switch it to
+    # the registered name's default pattern, with a warning saying so), then handed to transformers' own sdpa.
+    model = to_long_model(model, args.seq_len, sa.Dense() if pattern is None else pattern)
     if pattern is None:
         model.set_attn_implementation("sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

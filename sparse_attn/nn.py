@@ -8,6 +8,13 @@
 >>> attn(x, key_padding_mask=padding).shape
 torch.Size([2, 100, 64])
 
+It also takes ``nn.MultiheadAttention``'s self-attention call, key and value being the query tensor itself,
+and then answers as that layer does with ``need_weights=False``, ``(out, None)`` (no attention weights exist):
+
+>>> out, weights = attn(x, x, x, key_padding_mask=padding, need_weights=False)
+>>> out.shape, weights
+(torch.Size([2, 100, 64]), None)
+
 Longformer-style global attention, with separate projections for the global tokens:
 
 >>> attn = SparseSelfAttention(64, 4, sa.Local(16), global_projections=True, backend="reference")
@@ -63,13 +70,21 @@ class SparseSelfAttention(nn.Module):
         sinks: True for a learned attention sink per head (gpt-oss), the parameter ``sinks`` of shape
             (num_heads,), initialised to 0: ``exp(sinks[h])`` joins every row's softmax denominator.
 
-    ``forward(x, key_padding_mask=None, global_mask=None, causal=False, documents=None)``:
-    ``key_padding_mask`` (B, N) bool, True = padding: never attended, and the attention output at padded
-    positions is 0 (so the layer returns ``out_proj.bias`` there, as Longformer does); ``global_mask``
-    (B, N) bool, True = global token in that example; ``causal=True`` keeps keys ``j <= i``;
+    ``forward(query, key=None, value=None, *, key_padding_mask=None, global_mask=None, causal=False,
+    documents=None, need_weights=None, attn_mask=None)``: ``query`` (B, N, E) is the input (``x=``, its old
+    name, is taken too); ``key_padding_mask`` (B, N) bool, True = padding: never attended, and the attention
+    output at padded positions is 0 (so the layer returns ``out_proj.bias`` there, as Longformer does);
+    ``global_mask`` (B, N) bool, True = global token in that example; ``causal=True`` keeps keys ``j <= i``;
     ``documents`` (B, N) int ids of packed documents, -1 = padding (as in ``sparse_attention``): each
     document attends as a sequence by itself, global tokens (with ``global_projections`` too) within
     their own document. An empty batch or sequence gives an empty output, as in ``nn.MultiheadAttention``.
+    Everything after ``value`` is keyword-only.
+
+    ``attn(x)`` returns the output. ``nn.MultiheadAttention``'s call, ``attn(x, x, x, ...)`` or any call with
+    ``key``, ``value`` or ``need_weights``, returns ``(out, None)``, what that layer returns with
+    ``need_weights=False``: ``key`` and ``value`` must be the query tensor itself (self-attention only),
+    ``need_weights=True`` and ``attn_mask`` are refused with a ValueError saying what to pass instead (the
+    kernels never form the weights; the pattern, ``causal`` and ``key_padding_mask`` are the masks).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, pattern: Pattern, *, num_kv_heads: int | None = None,
@@ -108,10 +123,21 @@ class SparseSelfAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, pattern={self.pattern!r}, "
                 f"global_projections={self.global_projections}{mods}, backend={self.backend!r}")
 
-    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                global_mask: torch.Tensor | None = None, causal: bool = False,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, N, E) -> (B, N, E), or (N, B, E) -> (N, B, E) with ``batch_first=False``."""
+    def forward(self, query: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, *, key_padding_mask: torch.Tensor | None = None,
+                global_mask: torch.Tensor | None = None, causal: bool = False, documents: torch.Tensor | None = None,
+                need_weights: bool | None = None, attn_mask: torch.Tensor | None = None,
+                x: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, None]:
+        """(B, N, E) -> (B, N, E), or (N, B, E) -> (N, B, E) with ``batch_first=False``; ``(out, None)`` when
+        called as ``nn.MultiheadAttention`` is (with ``key``, ``value`` or ``need_weights``)."""
+        x = _one_input(query, x)
+        _check_multihead_call(x, key, value, need_weights, attn_mask)
+        out = self._attend(x, key_padding_mask, global_mask, causal, documents)
+        return out if key is None and value is None and need_weights is None else (out, None)
+
+    def _attend(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None, global_mask: torch.Tensor | None,
+                causal: bool, documents: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output for the input ``x`` (B, N, E), or (N, B, E) with ``batch_first=False``."""
         self._check_input(x)
         if causal and self.global_projections and global_mask is not None:
             raise ValueError("global_projections=True gives global tokens attention over the whole sequence, "
@@ -168,16 +194,56 @@ class SparseSelfAttention(nn.Module):
 
     def _check_input(self, x) -> None:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"query (the input x) must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             layout = "(batch, seq_len, embed_dim)" if self.batch_first else "(seq_len, batch, embed_dim)"
-            raise ValueError(f"x must have shape {layout} with embed_dim={self.embed_dim}, got {tuple(x.shape)}")
+            raise ValueError(f"query (the input x) must have shape {layout} with embed_dim={self.embed_dim}, got "
+                             f"{tuple(x.shape)}")
         weight = self.q_proj.weight
         if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor ({weight.dtype}, the layer's dtype), got {x.dtype}")
+            raise TypeError(f"query (the input x) must be a floating-point tensor ({weight.dtype}, the layer's "
+                            f"dtype), got {x.dtype}")
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x has dtype {x.dtype} but the layer's weights are {weight.dtype}; cast one to the "
-                            f"other (x.to({weight.dtype}) or layer.to({x.dtype})), or run under torch.autocast")
+            raise TypeError(f"query (the input x) has dtype {x.dtype} but the layer's weights are {weight.dtype}; "
+                            f"cast one to the other (x.to({weight.dtype}) or layer.to({x.dtype})), or run under "
+                            f"torch.autocast")
+
+
+def _one_input(query, x):
+    """The layer's input, given once: as ``query`` (first argument, ``nn.MultiheadAttention``'s name) or ``x=``."""
+    if (query is None) == (x is None):
+        given = "neither" if query is None else "both query= and x="
+        raise TypeError(f"SparseSelfAttention takes its input once, as the first argument: attn(x), or query=x "
+                        f"(x=, its old name, works too); got {given}")
+    return query if x is None else x
+
+
+def _check_multihead_call(query: torch.Tensor, key, value, need_weights, attn_mask) -> None:
+    """What ``nn.MultiheadAttention``'s call passes beyond the input, checked: key and value must be the query
+    itself (self-attention), need_weights False, attn_mask None; each refusal says what to pass instead."""
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor is not None and tensor is not query:
+            raise ValueError(f"{name} must be the query tensor itself or left out, got {_described(tensor)}: "
+                             f"SparseSelfAttention is self-attention, called as attn(x) or, as nn.MultiheadAttention, "
+                             f"attn(x, x, x); its masks are keyword-only: attn(x, key_padding_mask=padding, "
+                             f"global_mask=is_global). For attention between two sequences project q, k, v yourself "
+                             f"and call sparse_attn.sparse_attention(q, k, v, pattern)")
+    if need_weights is not None and check_bool("need_weights", need_weights):
+        raise ValueError("need_weights=True: SparseSelfAttention never forms attention weights (its kernels compute "
+                         "the allowed pairs only); pass need_weights=False, and the call returns (out, None) as "
+                         "nn.MultiheadAttention does, or compute chosen weights with sa.attention_weights(q, k, "
+                         "layer.pattern)")
+    if attn_mask is not None:
+        raise ValueError(f"attn_mask must be None, got {_described(attn_mask)}: the layer's pattern decides which "
+                         f"query/key pairs interact; put the structure in the pattern (sa.Local(w), sa.Blocks(...), "
+                         f"...), and pass causal=True for a causal mask and key_padding_mask= for padding")
+
+
+def _described(value) -> str:
+    """A value as an error message names it: a tensor by dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 @host_only  # a data-dependent size: a quiet graph break

@@ -312,6 +312,37 @@ def test_an_unregistered_sparse_attn_name_points_at_register():
         AutoModel.from_config(tiny_config("bert"), attn_implementation="eagre")            # transformers' own error
 
 
+def test_the_default_name_before_register_says_to_call_register_first(monkeypatch):
+    """attn_implementation="sparse_attn" before register() was answered "did you mean 'sparse_attn'?", the very
+    name typed. Run here as in a fresh process: no name registered, none in transformers' table either."""
+    from sparse_attn.integrations.transformers import attention
+    monkeypatch.setattr(attention, "registration", lambda name: None)
+    monkeypatch.setattr(attention, "registered_names", lambda: [])
+    monkeypatch.setattr(attention, "ALL_ATTENTION_FUNCTIONS", {})
+    with pytest.raises(ValueError) as caught:
+        AutoModel.from_config(tiny_config("bert"), attn_implementation="sparse_attn")
+    assert str(caught.value) == (
+        "attn_implementation='sparse_attn' is not registered. sparse_attn's attention runs under a name given to "
+        "sparse_attn.integrations.transformers.register(), called once per process before the model is built or "
+        "loaded: call register(pattern) first, which registers the name 'sparse_attn'")
+    with pytest.raises(ValueError, match=r"is not registered\. .*: register\(pattern, name='sparse_atn'\), or did you "
+                                         r"mean 'sparse_attn'\?$"):
+        AutoModel.from_config(tiny_config("bert"), attn_implementation="sparse_atn")
+
+
+def test_the_default_pattern_warning_comes_once_per_model():
+    """A LlamaForCausalLM and the LlamaModel inside it share one config and each runs the build check: the warning
+    came twice for one model."""
+    name = register(name="sparse_attn_test_warn_once", backend=CPU_BACKEND)
+    for _ in range(2):                                                           # a second model warns again
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            llm = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=name)
+            llm.set_attn_implementation("sdpa")
+            llm.set_attn_implementation(name)                                    # switched back: the same model
+        assert len([w for w in caught if "default pattern" in str(w.message)]) == 1
+
+
 @pytest.mark.slow  # a fresh Python process imports transformers
 def test_a_fresh_process_that_imports_the_integration_but_never_registers(tmp_path):
     """register() forgotten: the error points at it; a saved sparse model still loads as one."""
@@ -332,6 +363,7 @@ print(AutoModel.from_pretrained({str(tmp_path)!r}).config._attn_implementation)
     message, implementation = result.stdout.strip().splitlines()
     assert message.startswith("attn_implementation='sparse_attn' is not registered. sparse_attn's attention runs "
                               "under a name given to sparse_attn.integrations.transformers.register()")
+    assert message.endswith(": call register(pattern) first, which registers the name 'sparse_attn'")
     assert implementation == "sparse_attn"
 
 

@@ -65,22 +65,76 @@ def test_per_head_pattern_and_no_padding():
     torch.testing.assert_close(layer(x), _dense_reference(layer, x), atol=1e-5, rtol=1e-5)
 
 
-def test_dense_matches_nn_multihead_attention():
+def _multihead_twin(backend=BACKEND):
+    """nn.MultiheadAttention and a Dense SparseSelfAttention with the same weights."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
-    layer = SparseSelfAttention(E, H, sa.Dense(), backend=BACKEND).eval()
+    layer = SparseSelfAttention(E, H, sa.Dense(), backend=backend).eval()
     with torch.no_grad():
         for proj, w, b in zip((layer.q_proj, layer.k_proj, layer.v_proj), mha.in_proj_weight.chunk(3),
                               mha.in_proj_bias.chunk(3)):
             proj.weight.copy_(w)
             proj.bias.copy_(b)
         layer.out_proj.load_state_dict(mha.out_proj.state_dict())
+    return mha, layer
+
+
+def test_dense_matches_nn_multihead_attention():
+    mha, layer = _multihead_twin()
     x, padding = _inputs()
     expected = mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
     out = layer(x, key_padding_mask=padding)
     # Same everywhere but at padded positions, where this layer returns out_proj.bias (Longformer's rule)
     torch.testing.assert_close(out[~padding], expected[~padding], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[padding], layer.out_proj.bias.expand(int(padding.sum()), -1))
+
+
+def test_takes_nn_multihead_attention_self_attention_call():
+    """attn(x, x, x, ...) as nn.MultiheadAttention is called: (out, None), out as attn(x, ...) gives it; the
+    keyword calls of before (x=, masks by keyword) still return the output alone."""
+    mha, layer = _multihead_twin(backend="reference")
+    x, padding = _inputs()
+    expected = layer(x, key_padding_mask=padding)                                  # (B, N, E)
+    theirs, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
+    for call in (lambda m: m(x, x, x, key_padding_mask=padding, need_weights=False),
+                 lambda m: m(query=x, key=x, value=x, key_padding_mask=padding, need_weights=False)):
+        out, weights = call(layer)
+        assert weights is None and call(mha)[1] is None
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(out[~padding], theirs[~padding], atol=1e-5, rtol=1e-5)
+    out, weights = layer(x, x, x)                                                  # MHA's default need_weights
+    assert weights is None
+    torch.testing.assert_close(out, layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x=x, key_padding_mask=padding), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda layer, x, padding: layer(x, padding), ValueError,
+     r"^key must be the query tensor itself or left out, got a torch.bool tensor of shape \(3, 64\): "
+     r"SparseSelfAttention is self-attention, called as attn\(x\) or, as nn.MultiheadAttention, attn\(x, x, x\); "
+     r"its masks are keyword-only: attn\(x, key_padding_mask=padding, global_mask=is_global\)"),
+    (lambda layer, x, padding: layer(x, x, x.clone()), ValueError,
+     r"^value must be the query tensor itself or left out, got a torch.float32 tensor of shape \(3, 64, 32\): .* "
+     r"For attention between two sequences project q, k, v yourself and call sparse_attn.sparse_attention"),
+    (lambda layer, x, padding: layer(x, x, x, need_weights=True), ValueError,
+     r"^need_weights=True: SparseSelfAttention never forms attention weights .*; pass need_weights=False, and the "
+     r"call returns \(out, None\) as nn.MultiheadAttention does, or compute chosen weights with "
+     r"sa.attention_weights"),
+    (lambda layer, x, padding: layer(x, need_weights="no"), TypeError, r"^need_weights must be a bool, got 'no' \(str\)"),
+    (lambda layer, x, padding: layer(x, x, x, attn_mask=torch.ones(64, 64, dtype=torch.bool)), ValueError,
+     r"^attn_mask must be None, got a torch.bool tensor of shape \(64, 64\): the layer's pattern decides which "
+     r"query/key pairs interact; put the structure in the pattern .* pass causal=True for a causal mask and "
+     r"key_padding_mask= for padding"),
+    (lambda layer, x, padding: layer(), TypeError,
+     r"^SparseSelfAttention takes its input once, as the first argument: attn\(x\), or query=x \(x=, its old name, "
+     r"works too\); got neither"),
+    (lambda layer, x, padding: layer(x, x=x), TypeError, r"takes its input once, .*; got both query= and x="),
+])
+def test_multihead_call_errors(call, error, message):
+    layer = SparseSelfAttention(E, H, sa.Local(4), backend="reference")
+    x, padding = _inputs()
+    with pytest.raises(error, match=message):
+        call(layer, x, padding)
 
 
 def test_batch_first_false_is_transposed():
@@ -310,16 +364,16 @@ def test_constructor_errors(kwargs, error, message):
 def test_forward_errors():
     layer = SparseSelfAttention(E, H, sa.Local(4), global_projections=True, backend=BACKEND)
     x, padding = _inputs()
-    with pytest.raises(ValueError, match=r"x must have shape \(batch, seq_len, embed_dim\) with embed_dim=32"):
+    with pytest.raises(ValueError, match=r"query \(the input x\) must have shape \(batch, seq_len, embed_dim\) with embed_dim=32"):
         layer(x[..., :16])
     with pytest.raises(TypeError, match="key_padding_mask must be a torch.bool tensor"):
         layer(x, key_padding_mask=padding.float())
     with pytest.raises(ValueError, match="global_projections=True .* causal=True forbids"):
         layer(x, global_mask=padding, causal=True)
-    with pytest.raises(TypeError, match=r"x has dtype torch.float64 but the layer's weights are torch.float32; cast"):
+    with pytest.raises(TypeError, match=r"query \(the input x\) has dtype torch.float64 but the layer's weights are torch.float32; cast"):
         layer(x.double())
-    with pytest.raises(TypeError, match=r"x must be a floating-point tensor \(torch.float32, the layer's dtype\), "
-                                        r"got torch.int64"):
+    with pytest.raises(TypeError, match=r"query \(the input x\) must be a floating-point tensor \(torch.float32, the "
+                                        r"layer's dtype\), got torch.int64"):
         layer(x.long())
 
 

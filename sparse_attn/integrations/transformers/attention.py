@@ -206,11 +206,13 @@ def requested_implementation(model: PreTrainedModel, attn_implementation):
         return attn_implementation
     names = registered_names()
     close = difflib.get_close_matches(attn_implementation, [*names, "sparse_attn"], n=1, cutoff=0.75)
-    if close or "sparse" in attn_implementation.lower():
-        registered = f" (registered in this process: {names})" if names else ""
-        suggestion = f", or did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"attn_implementation={attn_implementation!r} is not registered{registered}. sparse_attn's "
-                         f"attention runs under a name given to sparse_attn.integrations.transformers.register(), "
-                         f"called once per process before the model is built or loaded: register(pattern, "
-                         f"name={attn_implementation!r}){suggestion}")
-    return attn_implementation
+    if not close and "sparse" not in attn_implementation.lower():
+        return attn_implementation
+    registered = f" (registered in this process: {names})" if names else ""
+    if attn_implementation == "sparse_attn":  # the default name, asked for before register(): nothing to suggest
+        fix = "call register(pattern) first, which registers the name 'sparse_attn'"
+    else:
+        fix = f"register(pattern, name={attn_implementation!r})" + (f", or did you mean {close[0]!r}?" if close else "")
+    raise ValueError(f"attn_implementation={attn_implementation!r} is not registered{registered}. sparse_attn's "
+                     f"attention runs under a name given to sparse_attn.integrations.transformers.register(), "
+                     f"called once per process before the model is built or loaded: {fix}")

@@ -17,6 +17,7 @@ import inspect
 import re
 import sys
 import warnings
+import weakref
 
 from transformers import PreTrainedModel
 
@@ -33,17 +34,31 @@ def check_built_model(model: PreTrainedModel, attn_implementation) -> None:
 
 def warn_if_default_pattern(config, name: str) -> None:
     """Warn that ``name`` runs ``DEFAULT_PATTERN`` in this model if neither ``register`` nor the config chose one
-    and the model has no sliding windows of its own."""
+    and the model has no sliding windows of its own: once per model and name (a model and the base model inside
+    it, a ``LlamaForCausalLM`` and its ``LlamaModel``, share one config, and each runs the build check)."""
     registered = registration(name)
     assert registered is not None, name  # the build hook checks registered names only
     chosen = registered.pattern is not None or getattr(config, "sparse_attn_pattern", None) is not None
-    if not chosen and own_patterns(config) is None:
+    if not chosen and own_patterns(config) is None and _first_time(config, name):
         warnings.warn(f"attn_implementation={name!r} runs this {getattr(config, 'model_type', '')} model with "
                       f"sparse_attn's default pattern {DEFAULT_PATTERN!r} (256 tokens each side and a global first "
                       f"token): register() got no pattern and model.config.sparse_attn_pattern is not set. Choose "
                       f"one for the model with register(pattern, name={name!r}) or model.config.sparse_attn_pattern "
                       f"= pattern.to_dict() (docs/integrations.md, 'Choosing the pattern per model')", UserWarning,
                       stacklevel=3)
+
+
+# name -> weak references to the configs warned about (configs are not hashable: no WeakSet), dead ones dropped as
+# they are met
+_WARNED: dict[str, list[weakref.ref]] = {}
+
+
+def _first_time(config, name: str) -> bool:
+    """Whether ``config`` (the object, not its values) meets ``name``'s default-pattern warning for the first time."""
+    alive = [ref for ref in _WARNED.get(name, []) if ref() is not None]
+    first = all(ref() is not config for ref in alive)
+    _WARNED[name] = [*alive, weakref.ref(config)] if first else alive
+    return first
 
 
 def check_model(model: PreTrainedModel, name: str = "sparse_attn") -> None:
