@@ -103,21 +103,19 @@ def position(head, row):
 @njit(cache=True, fastmath=FASTMATH)
 def modify(head, s, c0, c1, key0):
     """Forward: the modifiers on columns [c0, c1) of s (rows, W) base-2 scores, in place: row r of the
-    head's query array (at key position head.first + r) against key key0 + (c - c0). Nothing to do without
-    modifiers. (Column bounds rather than a column slice of the panel: a slice of a C-contiguous row keeps
-    unit stride, so the loop over it vectorises.)"""
-    if head.softcap[0] > 0:
-        for r in range(s.shape[0]):
-            row = s[r, c0:c1]
-            offset = head.first + r - key0                   # distance to row[c]: |offset - c|
+    head's query array (at key position head.first + r) against key key0 + (c - c0). Each modifier the head has
+    is one pass over the row, none without modifiers. (Column bounds rather than a column slice of the panel: a
+    slice of a C-contiguous row keeps unit stride, so the loops over it vectorise.)"""
+    capped, sloped = head.softcap[0] > 0, head.slope[0] != 0
+    if not (capped or sloped):
+        return
+    for r in range(s.shape[0]):
+        row = s[r, c0:c1]
+        if capped:
             for c in range(row.size):
-                row[c] = _alibi(head.slope, _capped(head.softcap, row[c]), offset - c)
-    elif head.slope[0] != 0:
-        for r in range(s.shape[0]):
-            row = s[r, c0:c1]
-            offset = head.first + r - key0
-            for c in range(row.size):
-                row[c] = _alibi(head.slope, row[c], offset - c)
+                row[c] = head.softcap[2] * tanh(row[c] * head.softcap[1])
+        if sloped:
+            _alibi_row(row, head.slope, head.first + r - key0, -1)     # distance to row[c]: offset - c
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -125,20 +123,26 @@ def modify_t(head, st, c0, c1, key0, query0, dcap):
     """Backward: the modifiers on columns [c0, c1) of st (cols, W) = S.T, in place: key key0 + r against
     row query0 + (c - c0) of the head's query array; with softcap, dcap (cols, W) gets the softcap's
     derivative 1 - tanh^2 there (column bounds: as modify)."""
-    if head.softcap[0] > 0:
-        for r in range(st.shape[0]):
-            row, row_dcap = st[r, c0:c1], dcap[r, c0:c1]
-            offset = head.first + query0 - key0 - r           # distance to row[c]: |offset + c|
+    capped, sloped = head.softcap[0] > 0, head.slope[0] != 0
+    if not (capped or sloped):
+        return
+    for r in range(st.shape[0]):
+        row = st[r, c0:c1]
+        if capped:
+            row_dcap = dcap[r, c0:c1]
             for c in range(row.size):
                 t = tanh(row[c] * head.softcap[1])
                 row_dcap[c] = 1 - t * t
-                row[c] = _alibi(head.slope, head.softcap[2] * t, offset + c)
-    elif head.slope[0] != 0:
-        for r in range(st.shape[0]):
-            row = st[r, c0:c1]
-            offset = head.first + query0 - key0 - r
-            for c in range(row.size):
-                row[c] = _alibi(head.slope, row[c], offset + c)
+                row[c] = head.softcap[2] * t
+        if sloped:
+            _alibi_row(row, head.slope, head.first + query0 - key0 - r, 1)  # distance to row[c]: offset + c
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _alibi_row(row, slope, offset, step):
+    """row[c] -= log2(e) slope |offset + step c|: ALiBi along a row whose distances move by ``step`` a column."""
+    for c in range(row.size):
+        row[c] = _alibi(slope, row[c], offset + step * c)
 
 
 @njit(cache=True, fastmath=FASTMATH)
