@@ -19,6 +19,7 @@ import torch
 from einops import rearrange
 
 from . import backends
+from .backends import sdpa
 from .checks import check_bool
 from .compiler import build_layout, check_call_masks
 from .layout import BlockLayout, KernelIndex
@@ -56,7 +57,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
             the softcap. The slopes get no gradient.
         sinks: (Hq,) float tensor on q's device, learned attention sinks (gpt-oss): ``exp(sinks[h])`` joins every
             row's softmax denominator with no value; differentiable.
-        backend: "auto" (triton for CUDA tensors, numba for CPU), "reference", "numba" or "triton".
+        backend: "auto" (triton for CUDA tensors, numba for CPU, and for short float32 sequences on the CPU,
+            without score modifiers or lse, torch's SDPA with the pattern's token mask, measured faster there:
+            ``sparse_attn.backends.sdpa``), "reference", "numba" or "triton".
         return_lse: also return the log-sum-exp of each query row, (B, Hq, Nq) float32 (float64
             for float64 inputs); -inf for rows with no allowed key (whose output is 0). With ``sinks`` it
             includes the sink's term (a row with no allowed key: lse = its head's sink).
@@ -80,6 +83,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern:
     else:
         layout = _layout_on(q.device, pattern, batch, q_heads, n_q, n_k, module.BLOCK_SIZE, causal,
                             key_padding_mask, global_mask, documents)
+        if backend == "auto" and sdpa.takes(q, k, v, layout, mods, sinks, return_lse):    # short sequences on the CPU
+            return sdpa.attention(q, k, v, layout, scale)
         module.check(q, k, v, layout)
         out, lse = module.attention(q, k, v, layout, scale, mods)
     if sinks is not None:
@@ -102,7 +107,7 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
                key_padding_mask, global_mask, documents) -> BlockLayout:
     """The layout to run, on ``device``.
 
-    Under torch.compile the layout stays out of the graph (``sparse_attn._tracing`` holds the host code). A prebuilt
+    Under torch.compile the layout stays out of the graph (``sparse_attn.tracing`` holds the host code). A prebuilt
     layout, and a Pattern without call-time data at static sizes, are found (built, cached, moved) while Dynamo
     traces, and the graph reads their tensors as constants: no graph break, so ``fullgraph=True`` works. The pattern
     crosses to the host as its ``pattern_key``, so Dynamo guards on its values, not its identity: an equal pattern
@@ -112,22 +117,22 @@ def _layout_on(device: torch.device, pattern, batch: int, heads: int, n_q: int, 
     if not torch.compiler.is_compiling():
         return resolve_layout(pattern, batch, heads, n_q, n_k, block_size, causal, key_padding_mask, global_mask,
                               documents).to(device)
-    from . import _tracing  # only while Dynamo traces, which runs the import itself
+    from . import tracing  # only while Dynamo traces, which runs the import itself
 
     if isinstance(pattern, Pattern) and not (key_padding_mask is None and global_mask is None and documents is None):
-        return _tracing.layout_of_call_data(device, pattern, batch, heads, n_q, n_k, block_size, causal,
+        return tracing.layout_of_call_data(device, pattern, batch, heads, n_q, n_k, block_size, causal,
                                             key_padding_mask, global_mask, documents)  # their checks read values
     check_pattern_arg(pattern, batch, heads, n_q, n_k, causal, key_padding_mask, global_mask, documents)
     if isinstance(pattern, BlockLayout):
         if pattern.device == device:
             return pattern                             # its tensors are the graph's inputs
-        moved = _tracing.moved_index(device, *pattern.index)
+        moved = tracing.moved_index(device, *pattern.index)
         return BlockLayout.trusted(pattern=pattern.pattern, n_q=pattern.n_q, n_k=pattern.n_k, heads=pattern.heads,
                                    block_size=pattern.block_size, causal=pattern.causal,
                                    **dict(zip(KernelIndex._fields, moved)))
     if not (_static(n_q) and _static(n_k) and _static(heads)):
-        return _tracing.layout_of_dynamic_sizes(device, pattern, heads, n_q, n_k, block_size, causal)
-    index = _tracing.pattern_index(device, _constants(pattern_key(pattern)), int(heads), int(n_q), int(n_k),
+        return tracing.layout_of_dynamic_sizes(device, pattern, heads, n_q, n_k, block_size, causal)
+    index = tracing.pattern_index(device, _constants(pattern_key(pattern)), int(heads), int(n_q), int(n_k),
                                    block_size, causal)
     return BlockLayout.trusted(pattern=pattern, n_q=n_q, n_k=n_k, heads=heads, block_size=block_size,
                                causal=causal, **dict(zip(KernelIndex._fields, index)))
