@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .blocks import unique_rows
 from .layout import BlockLayout, CallData
 
 _INT32_MAX = 2**31 - 1
@@ -71,12 +72,3 @@ def _ptr(group: np.ndarray, row: np.ndarray, shape: tuple[int, int], n_rows: int
     ptr[:, 1:] = np.cumsum(counts, axis=1)
     ptr += np.concatenate([[0], np.cumsum(counts.sum(1))[:-1]])[:, None]
     return torch.from_numpy(ptr.reshape(*shape, n_rows + 1).astype(np.int32))
-
-
-def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of a 2-D array: (index of each one's first occurrence, row -> its distinct row's number).
-    Rows are compared as raw bytes (one sort of byte strings, much faster than ``np.unique(axis=0)``)."""
-    matrix = np.ascontiguousarray(matrix)
-    rows = matrix.view(np.dtype((np.void, matrix.dtype.itemsize * matrix.shape[1]))).reshape(-1)
-    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
-    return first, inverse.reshape(-1)

@@ -51,3 +51,12 @@ def block_areas(rows, cols, tile_shape: tuple[int, int], lengths: tuple[int, int
     row_first, row_last = block_bounds(rows, tq, n_q)
     col_first, col_last = block_bounds(cols, tk, n_k)
     return (row_last - row_first + 1) * (col_last - col_first + 1)
+
+
+def unique_rows(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of a 2-D array: (index of each one's first occurrence, row -> its distinct row's number).
+    Rows are compared as raw bytes (one sort of byte strings, much faster than ``np.unique(axis=0)``)."""
+    matrix = np.ascontiguousarray(matrix)
+    rows = matrix.view(np.dtype((np.void, matrix.dtype.itemsize * matrix.shape[1]))).reshape(-1)
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1)

@@ -11,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .assembly import unique_rows
-from .blocks import block_areas, ceil_div
+from .blocks import block_areas, ceil_div, unique_rows
 from .checks import check_int
 from .documents import Spans
 from .rules import Context, resolve, with_call_data

@@ -38,8 +38,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .assembly import assemble_layout, distinct_tiles, unique_rows
-from .blocks import ceil_div
+from .assembly import assemble_layout, distinct_tiles
+from .blocks import ceil_div, unique_rows
 from .layout import BlockLayout
 from .score_mods import alibi_alignment
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .assembly import unique_rows
-from .blocks import ceil_div
+from .blocks import block_areas, ceil_div, unique_rows
 from .rules import Context, Rule, block_table
 
 _TILE_ELEMENTS = 1 << 20  # token pairs evaluated at once when building tiles
@@ -85,3 +84,22 @@ def distinct_packed_tiles(packed: np.ndarray, tk: int) -> tuple[np.ndarray, np.n
 def allowed_counts(packed: np.ndarray) -> np.ndarray:
     """The allowed pairs of each packed tile (n, tq, ceil(tk / 8)): (n,) int."""
     return _POPCOUNT[packed].sum((1, 2))
+
+
+def allowed_pairs(rule: Rule, ctx: Context, block_size: int) -> int:
+    """The token pairs ``rule`` allows for ``ctx`` (one example, one head), counted from its blocks and tiles as
+    the compiler makes them (full blocks' areas, partial tiles' set bits): what the layout's ``allowed_pairs``
+    counts, without building one (numpy only, no torch).
+
+    >>> from sparse_attn.rules import resolve
+    >>> import sparse_attn as sa
+    >>> ctx = Context(100, 100, 0)
+    >>> allowed_pairs(resolve(sa.Local(3), ctx), ctx, 16) == sa.Local(3).layout(100, block_size=16).allowed_pairs()
+    True
+    """
+    step = min(block_size, max(ctx.n_q, ctx.n_k))                     # as the compiler compiles it
+    tile_shape = (min(step, ctx.n_q), min(step, ctx.n_k))
+    keys, full, tile, packed, _ = blocks_and_tiles(rule, ctx, step, tile_shape)
+    n_kb = ceil_div(ctx.n_k, step)
+    areas = block_areas(keys[full] // n_kb, keys[full] % n_kb, (step, step), (ctx.n_q, ctx.n_k))
+    return int(areas.sum()) + int(allowed_counts(packed)[tile[~full]].sum())

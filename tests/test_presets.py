@@ -117,3 +117,32 @@ def test_streaming_keeps_sinks_and_recent_window():
     mask = sa.streaming(sink=2, window=3).mask(10)[0]
     assert mask[9].nonzero().flatten().tolist() == [0, 1, 7, 8, 9]
     assert mask[1].nonzero().flatten().tolist() == [0, 1]
+
+
+def test_the_listed_densities_are_the_layouts_without_torch():
+    """`sparse-attn patterns` counted each density by building the layout, which imported torch (most of the
+    command's time); it counts them from the tiles now, and the counts are the layouts' exactly."""
+    import subprocess
+    import sys
+
+    from sparse_attn.presets import preset_rows
+
+    for name, _, heads, d4, d16 in preset_rows():
+        assert (d4, d16) == tuple(sa.preset(name).layout(n, heads=heads).density for n in (4096, 16384)), name
+    code = "import sys; from sparse_attn import cli; cli.main(['patterns']); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stderr[-1000:]
+
+
+@pytest.mark.parametrize("pattern", [sa.Local(3) | sa.Global(first=2), sa.bigbird(block=16), sa.Stride(7) & sa.Causal(),
+                                     sa.PerHead([sa.Local(5), ~sa.Local(2)])], ids=repr)
+@pytest.mark.parametrize("n, block", [(100, 16), (37, 64), (300, 64)])
+def test_tile_counts_equal_the_layouts_allowed_pairs(pattern, n, block):
+    from sparse_attn.rules import Context, resolve
+    from sparse_attn.tiles import allowed_pairs
+
+    heads = 2
+    counted = sum(allowed_pairs(resolve(pattern, Context(n, n, h)), Context(n, n, h), block)
+                  for h in range(heads if pattern.head_dependent else 1))
+    layout = pattern.layout(n, heads=heads, block_size=block)
+    assert counted * (1 if pattern.head_dependent else heads) == layout.allowed_pairs()
