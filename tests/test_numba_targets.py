@@ -47,3 +47,7 @@ def test_every_kernel_compiles_for_every_cpu_family(tmp_path):
     for cpu, proc in done.items():
         assert [line.split(":")[0] for line in proc.stdout.splitlines() if "compiled in" in line] == \
             [spec.split(":")[0] for spec in TARGETS[cpu]], (cpu, proc.stdout)
+        for spec in TARGETS[cpu]:                   # each cold compile said so, naming its kernel and dtype
+            for kernel in ("forward", "backward"):
+                assert f"compiling the numba {kernel} kernel for {spec.split(':')[0]} on first use" in proc.stderr, \
+                    (cpu, spec, kernel, proc.stderr[-1500:])

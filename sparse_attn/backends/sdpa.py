@@ -10,17 +10,18 @@ True
 >>> bool(torch.allclose(out, sa.sparse_attention(q, q, q, layout, backend="numba"), atol=1e-5))
 True
 
-Below about 256 x 256 pairs a head, a numba call is mostly its fixed cost (checks, the layout's index, the kernels'
-launches: about 0.3-0.4 ms), where SDPA over every pair takes less: at B=1, H=8, D=64, float32 on a 2-core AMD EPYC
-(Zen 4), SDPA with the mask was 3-4x faster at N=64, 1.2-1.4x at N=256, level at N=320 and slower from N=384 on,
-forward and forward+backward, for a wide window, a narrow one and a causal window alike
-(``benchmarks/results/short_sequences/``). So "auto" takes this route when the call's attention has at most
-``MAX_PAIRS`` (query, key) pairs over every example and head, is float32 on the CPU, has no softcap, ALiBi or sinks,
-does not ask for the log-sum-exp, is not being traced by torch.compile (whose graphs keep the kernels' route), and
-has finite q, k and v (SDPA lets a NaN of a pair the mask leaves out into its row; the kernels keep it to the pairs
-that meet it). The mask is the layout's (call-time masks and documents included), computed once per layout and kept
-for the layouts used last. A row with no allowed key returns 0 with zero gradients, as the kernels do. A backend
-named explicitly never takes this route. The logger ``sparse_attn.dispatch`` says at DEBUG which route a call took.
+Below about 256 x 256 pairs a head, a numba call is mostly its fixed cost (checks, the custom op's dispatch, the
+kernels' parallel launches: at N=64, a few microseconds of work, it took 0.45-0.79 ms), where SDPA over every pair
+takes less: at B=1, H=8, D=64, float32 on a 2-core AMD EPYC (Zen 4), SDPA with the mask was 3-4x faster at N=64,
+1.2-1.4x at N=256, level at N=320 and slower from N=384 on, forward and forward+backward, for a wide window, a
+narrow one and a causal window alike (``benchmarks/results/short_sequences/``). So "auto" takes this route when the
+call's attention has at most ``MAX_PAIRS`` (query, key) pairs over every example and head, is float32 on the CPU,
+has no softcap, ALiBi or sinks, does not ask for the log-sum-exp, is not being traced by torch.compile (whose graphs
+keep the kernels' route), and has finite q, k and v (SDPA lets a NaN of a pair the mask leaves out into its row; the
+kernels keep it to the pairs that meet it). The mask is the layout's (call-time masks and documents included),
+computed once per layout and kept for the layouts used last. A row with no allowed key returns 0 with zero
+gradients, as the kernels do. A backend named explicitly never takes this route. The logger ``sparse_attn.dispatch``
+says at DEBUG which route a call took.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ Every call carries both modifiers, each neutral when the call has none: a softca
 slope of 0 (or no slopes at all) is no ALiBi. So each dtype compiles one forward and one backward whatever the
 call's modifiers: the panel loops test the head's modifiers once per run of scores and skip what is neutral,
 which costs nothing next to the run's matmul, where a specialisation per combination cost a cold compile
-each (about 35 s of CPU on a 2-core AMD EPYC for a forward and its backward).
+each (35-43 s of CPU on a 2-core AMD EPYC for a forward and its backward).
 """
 from __future__ import annotations
 
